@@ -1,0 +1,1 @@
+"""DynaTrain: live parallel-layout switching for Megatron-core training."""

@@ -1,0 +1,34 @@
+"""Axis-aligned boxes in a logical tensor's global coordinate space (half-open)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Box:
+    """The region ``[lo, hi)`` of a logical tensor, one interval per dimension."""
+
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+
+    @classmethod
+    def of(cls, offset: tuple[int, ...], shape: tuple[int, ...]) -> "Box":
+        return cls(tuple(offset), tuple(o + s for o, s in zip(offset, shape)))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(h - l for l, h in zip(self.lo, self.hi))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __and__(self, other: "Box") -> "Box | None":
+        lo = tuple(map(max, self.lo, other.lo))
+        hi = tuple(map(min, self.hi, other.hi))
+        return Box(lo, hi) if all(a < b for a, b in zip(lo, hi)) else None
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{l}:{h}" for l, h in zip(self.lo, self.hi)) + "]"

@@ -1,0 +1,155 @@
+"""A compiled layout: the Virtual Parameter Space of one spec.
+
+``Layout(spec)`` knows, for every rank, its coordinates, its model chunks, every parameter shard
+(checkpoint key, global box, local offset), its DDP buffers and its DistributedOptimizer ranges.
+Ranks with the same model-parallel coordinates share their shards and buffers, so everything is
+computed once per (pp, tp, ep, etp) and cached: thousands of ranks stay cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+from .buffers import BufferLayout, OwnedRange, layout_buffer, owned_ranges
+from .mesh import Mesh, RankCoords
+from .model import BufferDef, ParamDef, chunk_params, padded_vocab
+from .pipeline import stage_layers
+from .rules import pipeline_split, world_size
+from .shard import Shard, shard
+from .spec import LayoutSpec
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One model chunk (virtual pipeline stage) of a pipeline rank."""
+
+    vp: int
+    layers: tuple[int, ...]
+    pre_process: bool
+    post_process: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkShards:
+    """The parameters and state buffers one rank holds in one model chunk."""
+
+    chunk: Chunk
+    shards: tuple[Shard, ...]
+    buffers: tuple[BufferDef, ...]
+
+
+class Layout:
+    """The compiled layout of a spec. Pure Python; no torch."""
+
+    def __init__(self, spec: LayoutSpec) -> None:
+        self.spec = spec
+        self.model = spec.model
+        self.parallel = p = spec.parallel
+        self.world = world_size(spec)
+        self.dp = self.world // (p.tp * p.pp * p.cp)
+        self.edp = self.world // (p.expert_tp * p.ep * p.pp)
+        self.mesh = Mesh(p.order, tp=p.tp, cp=p.cp, dp=self.dp, pp=p.pp, ep=p.ep,
+                         etp=p.expert_tp, edp=self.edp)
+        self.split = pipeline_split(spec)
+        self.padded_vocab = padded_vocab(self.model, p.tp)
+
+    def __repr__(self) -> str:
+        p = self.parallel
+        return (f"Layout({self.spec.name or self.model.num_layers}L, W={self.world}, tp={p.tp}, "
+                f"pp={p.pp}, vpp={p.vpp}, cp={p.cp}, dp={self.dp}, ep={p.ep}, "
+                f"etp={p.expert_tp}, edp={self.edp})")
+
+    @cached_property
+    def devices(self) -> tuple[str, ...]:
+        """Device id of every rank (rank r runs on devices[r])."""
+        w = self.spec.world
+        if w.devices is not None:
+            return tuple(w.devices)
+        assert w.nodes is not None and w.gpus_per_node is not None
+        return tuple(f"node{n}:gpu{g}" for n in range(w.first_node, w.first_node + w.nodes)
+                     for g in range(w.gpus_per_node))
+
+    def coords(self, rank: int) -> RankCoords:
+        return self.mesh.coords(rank)
+
+    def chunks(self, pp: int) -> tuple[Chunk, ...]:
+        layers = stage_layers(self.split)[pp]
+        last = len(layers) - 1
+        return tuple(Chunk(vp, ls, pp == 0 and vp == 0, pp == self.parallel.pp - 1 and vp == last)
+                     for vp, ls in enumerate(layers))
+
+    def rank_shards(self, rank: int) -> tuple[ChunkShards, ...]:
+        """Every parameter shard of ``rank``, per chunk, in named_parameters order."""
+        c = self.coords(rank)
+        return self._shards(c.pp, c.tp, c.ep, c.etp)
+
+    @lru_cache(maxsize=4096)
+    def _shards(self, pp: int, tp: int, ep: int, etp: int) -> tuple[ChunkShards, ...]:
+        p = self.parallel
+        out = []
+        for ch in self.chunks(pp):
+            defs, bufs = chunk_params(self.model, p.tp, p.ep, ep, ch.layers, ch.pre_process,
+                                      ch.post_process, p.pp > 1)
+            shards = tuple(
+                shard(d, etp, p.expert_tp) if d.split and d.split.group == "etp"
+                else shard(d, tp, p.tp) for d in defs
+            )
+            out.append(ChunkShards(ch, shards, bufs))
+        return tuple(out)
+
+    # ---- DDP buffers and the distributed optimizer -------------------------------------------
+
+    def expert_in_own_buffer(self, d: ParamDef) -> bool:
+        """Local spec: an expert param leaves the dense buffer only when EP > 1."""
+        return d.expert and self.parallel.ep > 1
+
+    def rank_buffers(self, rank: int) -> tuple[BufferLayout, ...]:
+        """DDP buffers of ``rank``: per chunk, the dense buffer then the expert buffer."""
+        c = self.coords(rank)
+        return self._buffers(c.pp, c.tp, c.ep, c.etp)
+
+    @lru_cache(maxsize=4096)
+    def _buffers(self, pp: int, tp: int, ep: int, etp: int) -> tuple[BufferLayout, ...]:
+        p, dtype = self.parallel, self.spec.state.param
+        inst = p.num_distributed_optimizer_instances
+        out = []
+        for cs in self._shards(pp, tp, ep, etp):
+            # Megatron disables bucketing beyond chunk 0 and on pipeline ranks > 0.
+            size = None
+            if p.overlap_grad_reduce and cs.chunk.vp == 0 and pp == 0:
+                size = p.bucket_size or max(40_000_000, 1_000_000 * self.dp)
+            for expert in (False, True):
+                members = tuple(
+                    (s.param.name, _numel(s.local_shape), s.param.shared_embedding)
+                    for s in cs.shards if self.expert_in_own_buffer(s.param) == expert
+                )
+                if not members:
+                    continue
+                dp_size = (self.edp if expert else self.dp * p.cp) // inst
+                out.append(layout_buffer(cs.chunk.vp, expert, dtype, members, dp_size, size,
+                                         p.use_distributed_optimizer))
+        return tuple(out)
+
+    def optimizer_rank(self, rank: int, expert: bool) -> int:
+        """The rank's index in the group that shards a (dense or expert) buffer."""
+        c, inst = self.coords(rank), self.parallel.num_distributed_optimizer_instances
+        if expert:
+            return c.edp % (self.edp // inst)
+        return c.dp_cp % (self.dp * self.parallel.cp // inst)
+
+    def rank_owned(self, rank: int) -> tuple[tuple[BufferLayout, tuple[OwnedRange, ...]], ...]:
+        """Per buffer, the ranges this rank's DistributedOptimizer owns (empty without one)."""
+        if not self.parallel.use_distributed_optimizer:
+            return ()
+        return tuple((b, owned_ranges(b, self.optimizer_rank(rank, b.is_expert)))
+                     for b in self.rank_buffers(rank))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,164 @@
+"""The parameters megatron-core's GPT model (local spec) builds on one pipeline chunk.
+
+For a chunk (pipeline rank, virtual chunk) and an expert-parallel rank, ``chunk_params`` lists
+every parameter in ``named_parameters()`` order with its checkpoint key, full shape and how tensor
+parallelism splits it. That order matters: the DDP buffers place parameters in reverse of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .spec import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class TPSplit:
+    """How a tensor-parallel group splits a parameter.
+
+    ``glu``: the parameter is ``[gate; up]`` along dim 0 and TP rank r holds ``[gate_r; up_r]``.
+    ``vocab``: dim 0 runs over the padded vocabulary; rows at or past the real vocab are padding.
+    """
+
+    dim: int
+    group: str  # "tp" (dense) or "etp" (experts)
+    glu: bool = False
+    vocab: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ParamDef:
+    """One model parameter of a chunk, before tensor-parallel splitting."""
+
+    name: str  # named_parameters() name inside the chunk's GPTModel
+    key: str  # megatron-core checkpoint key (the logical tensor's name)
+    shape: tuple[int, ...]  # TP-unsplit shape (vocab padded), without prepended axes
+    prepend: tuple[tuple[int, int], ...] = ()  # (index, size) of leading layer/expert axes
+    split: TPSplit | None = None
+    expert: bool = False  # an expert weight (EP/ETP grid)
+    tied_copy: bool = False  # the last stage's copy of a tied embedding
+    shared_embedding: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BufferDef:
+    """A persistent non-parameter buffer that is training state (router expert_bias)."""
+
+    name: str
+    key: str
+    shape: tuple[int, ...]
+    prepend: tuple[tuple[int, int], ...] = ()
+
+
+def padded_vocab(m: ModelConfig, tp: int) -> int:
+    """Megatron's vocab padding: round up to a multiple of make_vocab_size_divisible_by * tp."""
+    mult = m.make_vocab_size_divisible_by * tp
+    return -(-m.vocab_size // mult) * mult
+
+
+@lru_cache(maxsize=4096)
+def chunk_params(
+    m: ModelConfig, tp: int, ep: int, ep_rank: int, layers: tuple[int, ...],
+    pre: bool, post: bool, pipelined: bool,
+) -> tuple[tuple[ParamDef, ...], tuple[BufferDef, ...]]:
+    """Parameters and state buffers of one chunk, in ``named_parameters()`` order.
+
+    ``pipelined``: pp > 1, so a tied embedding is shared between the first and last stage.
+    """
+    params: list[ParamDef] = []
+    buffers: list[BufferDef] = []
+    H, vp = m.hidden_size, padded_vocab(m, tp)
+    vocab_split = TPSplit(0, "tp", vocab=True)
+    tied = not m.untie_embeddings_and_output_weights
+    if pre:
+        params.append(ParamDef("embedding.word_embeddings.weight",
+                               "embedding.word_embeddings.weight", (vp, H), split=vocab_split,
+                               shared_embedding=tied and pipelined and not post))
+        if m.position_embedding_type == "learned_absolute":
+            params.append(ParamDef("embedding.position_embeddings.weight",
+                                   "embedding.position_embeddings.weight",
+                                   (m.max_position_embeddings, H)))
+    moe = m.moe_pattern()
+    for local, layer in enumerate(layers):
+        _layer(params, buffers, m, ep, ep_rank, local, layer, moe[layer])
+    if post:
+        params.extend(_norm(m, "decoder.final_layernorm", "decoder.final_layernorm", (), H))
+        if not tied or not pre:
+            key = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+            params.append(ParamDef("output_layer.weight", key, (vp, H), split=vocab_split,
+                                   tied_copy=tied, shared_embedding=tied))
+    return tuple(params), tuple(buffers)
+
+
+def _norm(m: ModelConfig, name: str, key: str, pre: tuple, size: int) -> list[ParamDef]:
+    out = [ParamDef(f"{name}.weight", f"{key}_weight" if key.endswith("layer_norm") else
+                    f"{key}.weight", (size,), pre)]
+    if m.normalization == "LayerNorm":
+        out.append(ParamDef(f"{name}.bias", f"{key}_bias" if key.endswith("layer_norm") else
+                            f"{key}.bias", (size,), pre))
+    return out
+
+
+def _linear(name: str, key: str, out_f: int, in_f: int, pre: tuple, split: TPSplit | None,
+            bias: bool, bias_split: bool, expert: bool = False) -> list[ParamDef]:
+    w = ParamDef(f"{name}.weight", f"{key}.weight", (out_f, in_f), pre, split, expert)
+    if not bias:
+        return [w]
+    b_split = TPSplit(0, split.group, glu=split.glu) if (bias_split and split) else None
+    return [w, ParamDef(f"{name}.bias", f"{key}.bias", (out_f,), pre, b_split, expert)]
+
+
+def _layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep: int,
+           ep_rank: int, local: int, layer: int, is_moe: bool) -> None:
+    H, hn, np_, ng = m.hidden_size, m.head_dim, m.num_attention_heads, m.groups
+    name = f"decoder.layers.{local}"
+    if m.homogeneous_layers:
+        key, pre = "decoder.layers", ((layer, m.num_layers),)
+    else:
+        key, pre = f"decoder.layers.{layer}", ()
+    bias = m.add_bias_linear
+    col, row = TPSplit(0, "tp"), TPSplit(1, "tp")
+    params += _norm(m, f"{name}.input_layernorm", f"{key}.self_attention.linear_qkv.layer_norm",
+                    pre, H)
+    params += _linear(f"{name}.self_attention.linear_proj", f"{key}.self_attention.linear_proj",
+                      H, np_ * hn, pre, row, bias, False)
+    params += _linear(f"{name}.self_attention.linear_qkv", f"{key}.self_attention.linear_qkv",
+                      ng * (np_ // ng + 2) * hn, H, pre, col, bias, True)
+    if m.qk_layernorm:
+        for qk in ("q_layernorm", "k_layernorm"):
+            params += _norm(m, f"{name}.self_attention.{qk}", f"{key}.self_attention.{qk}",
+                            pre, hn)
+    params += _norm(m, f"{name}.pre_mlp_layernorm", f"{key}.mlp.linear_fc1.layer_norm", pre, H)
+    glu = TPSplit(0, "tp", glu=m.swiglu)
+    fc1_out = 2 if m.swiglu else 1
+    if not is_moe:
+        params += _linear(f"{name}.mlp.linear_fc1", f"{key}.mlp.linear_fc1", fc1_out * m.ffn, H,
+                          pre, glu, bias, True)
+        params += _linear(f"{name}.mlp.linear_fc2", f"{key}.mlp.linear_fc2", H, m.ffn, pre, row,
+                          bias, False)
+        return
+    E = m.num_moe_experts or 0
+    params += _linear(f"{name}.mlp.router", f"{key}.mlp.router", E, H, pre, None, bias, False)
+    if m.moe_router_enable_expert_bias:
+        buffers.append(BufferDef(f"{name}.mlp.router.expert_bias",
+                                 f"{key}.mlp.router.expert_bias", (E,), pre))
+    per_rank = E // ep
+    e_glu, e_row = TPSplit(0, "etp", glu=m.swiglu), TPSplit(1, "etp")
+    ekey = f"{key}.mlp.experts.experts"
+    for j in range(per_rank):
+        epre = pre + ((ep_rank * per_rank + j, E),)
+        ename = f"{name}.mlp.experts.local_experts.{j}"
+        params += _linear(f"{ename}.linear_fc1", f"{ekey}.linear_fc1", fc1_out * m.moe_ffn, H,
+                          epre, e_glu, bias, True, expert=True)
+        params += _linear(f"{ename}.linear_fc2", f"{ekey}.linear_fc2", H, m.moe_ffn, epre, e_row,
+                          bias, False, expert=True)
+    if m.moe_shared_expert_intermediate_size:
+        fs = m.moe_shared_expert_intermediate_size
+        sname, skey = f"{name}.mlp.shared_experts", f"{key}.mlp.shared_experts"
+        if m.moe_shared_expert_gate:
+            params.append(ParamDef(f"{sname}.gate_weight", f"{skey}.gate_weight", (1, H), pre))
+        params += _linear(f"{sname}.linear_fc1", f"{skey}.linear_fc1", fc1_out * fs, H, pre,
+                          glu, False, True)
+        params += _linear(f"{sname}.linear_fc2", f"{skey}.linear_fc2", H, fs, pre, row, False,
+                          False)

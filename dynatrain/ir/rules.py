@@ -1,0 +1,178 @@
+"""The rules megatron-core 0.16.1 enforces on a layout, checked up front with clear messages.
+
+Each rule names the field it is about. The list also rejects one combination megatron-core accepts
+but silently breaks (EP=1 with ETP != TP under the distributed optimizer, see the layout notes).
+"""
+
+from __future__ import annotations
+
+from .errors import SpecError
+from .pipeline import PipelineSplit, split_problem
+from .spec import LayoutSpec
+
+MAX_WORLD = 1 << 20
+
+
+def world_size(spec: LayoutSpec) -> int:
+    w = spec.world
+    return len(w.devices) if w.devices is not None else (w.nodes or 0) * (w.gpus_per_node or 0)
+
+
+def pipeline_split(spec: LayoutSpec) -> PipelineSplit:
+    p = spec.parallel
+    return PipelineSplit(
+        num_layers=spec.model.num_layers, pp=p.pp, vpp=p.vpp,
+        first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers,
+        account_embedding=p.account_for_embedding_in_pipeline_split,
+        account_loss=p.account_for_loss_in_pipeline_split,
+    )
+
+
+def check_rules(spec: LayoutSpec) -> None:
+    """Raise ``SpecError`` for the first broken rule."""
+    _check_model(spec)
+    _check_world(spec)
+    _check_parallel(spec)
+    _check_pipeline(spec)
+
+
+def _need(ok: bool, field: str, rule: str, value: object) -> None:
+    if not ok:
+        raise SpecError(field, rule, value)
+
+
+def _check_model(spec: LayoutSpec) -> None:
+    m = spec.model
+    _need(m.num_attention_heads % m.groups == 0, "model.num_query_groups",
+          f"must divide num_attention_heads={m.num_attention_heads}", m.groups)
+    if m.kv_channels is None:
+        _need(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+              f"must be divisible by num_attention_heads={m.num_attention_heads} "
+              "(or set kv_channels)", m.hidden_size)
+    if isinstance(m.moe_layer_freq, list):
+        _need(len(m.moe_layer_freq) == m.num_layers, "model.moe_layer_freq",
+              f"a list must have one 0/1 entry per layer (num_layers={m.num_layers})",
+              len(m.moe_layer_freq))
+    if m.num_moe_experts is None:
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            _need(getattr(m, name) is None, f"model.{name}", "needs num_moe_experts",
+                  getattr(m, name))
+        _need(not m.moe_router_enable_expert_bias, "model.moe_router_enable_expert_bias",
+              "needs num_moe_experts", True)
+        _need(not m.moe_first_dense_layers, "model.moe_first_dense_layers",
+              "needs num_moe_experts", m.moe_first_dense_layers)
+        return
+    _need(m.moe_router_topk <= m.num_moe_experts, "model.moe_router_topk",
+          f"must be at most num_moe_experts={m.num_moe_experts}", m.moe_router_topk)
+    _need(m.moe_first_dense_layers < m.num_layers, "model.moe_first_dense_layers",
+          f"must leave at least one MoE layer (num_layers={m.num_layers})",
+          m.moe_first_dense_layers)
+    _need(not (m.moe_shared_expert_intermediate_size and m.add_bias_linear),
+          "model.add_bias_linear", "megatron-core's shared experts cannot have biases", True)
+    _need(m.moe_shared_expert_intermediate_size is not None or not m.moe_shared_expert_gate,
+          "model.moe_shared_expert_gate", "needs moe_shared_expert_intermediate_size", True)
+
+
+def _check_world(spec: LayoutSpec) -> None:
+    w = spec.world
+    if w.devices is not None:
+        _need(w.nodes is None and w.gpus_per_node is None, "world.devices",
+              "give either devices or nodes x gpus_per_node, not both", w.devices[:2])
+    else:
+        _need(w.nodes is not None and w.gpus_per_node is not None, "world",
+              "needs nodes and gpus_per_node, or a devices list", None)
+    _need(world_size(spec) <= MAX_WORLD, "world", f"at most {MAX_WORLD} devices",
+          world_size(spec))
+
+
+def _check_parallel(spec: LayoutSpec) -> None:
+    m, p, W = spec.model, spec.parallel, world_size(spec)
+    tp, etp = p.tp, p.expert_tp
+    _need(m.num_attention_heads % tp == 0, "parallel.tp",
+          f"must divide num_attention_heads={m.num_attention_heads}", tp)
+    g = m.groups
+    _need(g % tp == 0 if g >= tp else tp % g == 0, "parallel.tp",
+          f"must divide num_query_groups={g}, or be a multiple of it", tp)
+    _need(m.ffn % tp == 0, "parallel.tp", f"must divide ffn_hidden_size={m.ffn}", tp)
+    mp = tp * p.pp * p.cp
+    _need(W % mp == 0, "world", f"size must be divisible by tp*pp*cp={mp}", W)
+    dp = W // mp
+    _need((dp * p.cp) % p.num_distributed_optimizer_instances == 0,
+          "parallel.num_distributed_optimizer_instances", f"must divide dp*cp={dp * p.cp}",
+          p.num_distributed_optimizer_instances)
+    _need(p.num_distributed_optimizer_instances == 1 or p.use_distributed_optimizer,
+          "parallel.num_distributed_optimizer_instances", "needs use_distributed_optimizer",
+          p.num_distributed_optimizer_instances)
+    if m.num_moe_experts is None:
+        _need(p.ep == 1, "parallel.ep", "needs a MoE model (num_moe_experts)", p.ep)
+        _need(p.etp is None or p.etp == tp, "parallel.etp", "needs a MoE model", p.etp)
+        return
+    _need(m.num_moe_experts % p.ep == 0, "parallel.ep",
+          f"must divide num_moe_experts={m.num_moe_experts}", p.ep)
+    _need(m.moe_ffn % etp == 0, "parallel.etp", f"must divide moe_ffn_hidden_size={m.moe_ffn}",
+          etp)
+    if m.moe_shared_expert_intermediate_size:
+        _need(m.moe_shared_expert_intermediate_size % tp == 0, "parallel.tp",
+              "must divide moe_shared_expert_intermediate_size="
+              f"{m.moe_shared_expert_intermediate_size}", tp)
+    emp = etp * p.ep * p.pp
+    _need(W % emp == 0, "world", f"size must be divisible by etp*ep*pp={emp}", W)
+    edp = W // emp
+    _need(edp % p.num_distributed_optimizer_instances == 0,
+          "parallel.num_distributed_optimizer_instances",
+          f"must divide the expert data-parallel size {edp}", p.num_distributed_optimizer_instances)
+    _need(p.order.endswith("-pp") or edp == dp, "parallel.order",
+          f"an order not ending in pp needs expert DP == DP (here {edp} vs {dp})", p.order)
+    _need(not (m.add_bias_linear and etp != 1), "parallel.etp",
+          "MoE with add_bias_linear needs etp=1 in megatron-core", etp)
+    _need(not (p.ep == 1 and etp != tp and p.use_distributed_optimizer), "parallel.etp",
+          "etp != tp with ep=1 puts different expert slices at the same dense-buffer offsets "
+          "under the distributed optimizer, so megatron-core silently loses optimizer state; "
+          "use ep>1 or etp=tp", etp)
+
+
+def _check_pipeline(spec: LayoutSpec) -> None:
+    m, p = spec.model, spec.parallel
+    uneven = p.decoder_first_pipeline_num_layers is not None or (
+        p.decoder_last_pipeline_num_layers is not None)
+    if p.vpp is not None:
+        _need(p.pp > 1, "parallel.vpp", "virtual pipeline needs pp > 1", p.vpp)
+    if uneven:
+        _need(p.pp > 1, "parallel.decoder_first_pipeline_num_layers", "needs pp > 1", p.pp)
+        _need(not (p.account_for_embedding_in_pipeline_split
+                   or p.account_for_loss_in_pipeline_split),
+              "parallel.account_for_embedding_in_pipeline_split",
+              "cannot be combined with decoder_first/last_pipeline_num_layers", True)
+        set_ends = (p.decoder_first_pipeline_num_layers is not None) + (
+            p.decoder_last_pipeline_num_layers is not None)
+        middle = p.pp - set_ends
+        rest = m.num_layers - (p.decoder_first_pipeline_num_layers or 0) - (
+            p.decoder_last_pipeline_num_layers or 0)
+        _need(rest >= 0, "parallel.decoder_first_pipeline_num_layers",
+              f"first + last stage layers exceed num_layers={m.num_layers}", rest)
+        _need(middle > 0 or rest == 0, "parallel.pp",
+              f"{rest} layers are left for no middle stage", p.pp)
+        if middle > 0:
+            _need(rest % middle == 0, "parallel.pp",
+                  f"the {rest} layers outside the first/last stage must split evenly over "
+                  f"{middle} middle stages", p.pp)
+        if p.vpp is not None:
+            _need(middle > 0, "parallel.vpp", "uneven pp with vpp needs a middle stage "
+                  "(megatron-core 0.16.1 divides by zero otherwise)", p.vpp)
+            for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+                v = getattr(p, name)
+                _need(v is None or v % p.vpp == 0, f"parallel.{name}",
+                      f"must be divisible by vpp={p.vpp}", v)
+            _need(middle == 0 or (rest // middle) % p.vpp == 0, "parallel.vpp",
+                  f"must divide the {rest // max(middle, 1)} layers of each middle stage", p.vpp)
+    else:
+        total = m.num_layers + p.account_for_embedding_in_pipeline_split + (
+            p.account_for_loss_in_pipeline_split)
+        _need(total % p.pp == 0, "parallel.pp",
+              f"must divide num_layers={total} (incl. accounted embedding/loss) unless "
+              "decoder_first/last_pipeline_num_layers are set", p.pp)
+        if p.vpp is not None:
+            _need((total // p.pp) % p.vpp == 0, "parallel.vpp",
+                  f"must divide the {total // p.pp} layers per pipeline stage", p.vpp)
+    problem = split_problem(pipeline_split(spec))
+    _need(problem is None, "parallel.pp", str(problem), p.pp)

@@ -186,6 +186,10 @@ def megatron_facts(cfg: dict, world_size: int, timeout: float = DEFAULT_TIMEOUT_
     c = _resolve_cfg(cfg)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if (dist.is_available() and dist.is_initialized()) or ps.model_parallel_is_initialized():
+        # Forked workers would inherit that state and could not create their own groups.
+        raise RuntimeError("megatron_facts must be called from a process without an initialized "
+                           "torch.distributed default group / megatron parallel_state")
     with tempfile.TemporaryDirectory(prefix="mcore_facts_") as tmpdir:
         ctx = tmp.start_processes(
             _worker, args=(world_size, c, tmpdir), nprocs=world_size, join=False, start_method="fork"

@@ -1,0 +1,202 @@
+"""Training state in the Virtual Parameter Space: logical tensors and what each rank holds.
+
+Every piece of state is a logical tensor ``(key, kind)``: ``key`` is the megatron-core checkpoint
+key, ``kind`` one of param, main_param, exp_avg, exp_avg_sq (per parameter), buffer (router
+expert_bias) or step (Adam's step count). Its shape is the checkpoint's global shape with vocab
+padding removed (padding rows are not data). A rank holds a tensor as ``Region``s: a box of the
+logical tensor and the slot in that rank's local storage where the box's elements sit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .box import Box
+from .layout import Layout
+from .shard import Shard, logical_box
+
+OPTIMIZER_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, slots=True)
+class LogicalTensor:
+    key: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Elements sit in a TP-local tensor of the parameter's local shape, at ``local_offset``.
+
+    For kind ``param`` that tensor is the module parameter ``name`` of chunk ``chunk``; for the
+    optimizer kinds without the distributed optimizer, the optimizer's per-parameter tensor.
+    """
+
+    chunk: int
+    name: str
+    local_offset: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FlatSlot:
+    """Elements sit contiguously in the DistributedOptimizer's shard of parameter ``name``.
+
+    ``offset`` counts from the start of this rank's slice of ``param.view(-1)`` (the slice that
+    Megatron's fp32 main param and Adam moments for that parameter cover).
+    """
+
+    chunk: int
+    buffer: int  # index into Layout.rank_buffers(rank)
+    name: str
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSlot:
+    """Elements sit in the module buffer ``name`` (e.g. the router's expert_bias)."""
+
+    chunk: int
+    name: str
+
+
+Slot = ParamSlot | FlatSlot | BufferSlot
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A box of logical tensor (key, kind) that a rank holds, and where."""
+
+    key: str
+    kind: str
+    box: Box
+    slot: Slot
+
+
+def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cover the row-major flat range [a, b) of ``shape`` with boxes that are each contiguous.
+
+    Returns (offset, size) pairs in order; at most 2*ndim - 1 of them.
+    """
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [((a,), (b - a,))]
+    inner = math.prod(shape[1:])
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    row = a // inner
+    if a % inner:
+        end = min(b, (row + 1) * inner)
+        out += [((row,) + lo, (1,) + sz) for lo, sz in flat_boxes(shape[1:], a % inner,
+                                                                    end - row * inner)]
+        a, row = end, row + 1
+    if b // inner > row:
+        out.append(((row,) + (0,) * (len(shape) - 1), (b // inner - row,) + shape[1:]))
+        a = b // inner * inner
+    if a < b:
+        row = a // inner
+        out += [((row,) + lo, (1,) + sz) for lo, sz in flat_boxes(shape[1:], 0, b - a)]
+    return out
+
+
+def local_to_global(sh: Shard, lo: tuple[int, ...], size: tuple[int, ...],
+                    vocab: int) -> list[tuple[tuple[int, ...], Box]]:
+    """Map a local box of a shard to (local offset, logical global box) parts."""
+    npre = len(sh.param.prepend)
+    out = []
+    for piece in sh.pieces:
+        psize = piece.box.shape[npre:]
+        a = tuple(max(x, p) for x, p in zip(lo, piece.local_offset))
+        z = tuple(min(x + s, p + ps) for x, s, p, ps in zip(lo, size, piece.local_offset, psize))
+        if any(x >= y for x, y in zip(a, z)):
+            continue
+        g_lo = piece.box.lo[:npre] + tuple(
+            g + x - p for g, x, p in zip(piece.box.lo[npre:], a, piece.local_offset))
+        box = logical_box(sh.param, Box.of(g_lo, (1,) * npre + tuple(y - x for x, y in zip(a, z))),
+                          vocab)
+        if box is not None:
+            out.append((a, box))
+    return out
+
+
+class StateView:
+    """Logical tensors and per-rank regions of a ``Layout`` for the state kinds its spec names."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        st = layout.spec.state
+        self.kinds: dict[str, str] = {"param": st.param}
+        for k in OPTIMIZER_KINDS:
+            if getattr(st, k) is not None:
+                self.kinds[k] = getattr(st, k)
+
+    @lru_cache(maxsize=1)
+    def tensors(self) -> dict[tuple[str, str], LogicalTensor]:
+        """Every logical tensor, keyed by (key, kind)."""
+        L, out = self.layout, {}
+        V = L.model.vocab_size
+        for pp in range(L.parallel.pp):
+            for ep in range(L.parallel.ep):
+                for cs in L._shards(pp, 0, ep, 0):
+                    for sh in cs.shards:
+                        shape = list(sh.global_shape)
+                        if sh.param.split is not None and sh.param.split.vocab:
+                            shape[len(sh.param.prepend) + sh.param.split.dim] = V
+                        for kind, dtype in self.kinds.items():
+                            out[(sh.param.key, kind)] = LogicalTensor(sh.param.key, kind,
+                                                                      tuple(shape), dtype)
+                    for b in cs.buffers:
+                        out[(b.key, "buffer")] = LogicalTensor(
+                            b.key, "buffer", tuple(s for _, s in b.prepend) + b.shape, "fp32")
+        if len(self.kinds) > 1:
+            out[("optimizer.step", "step")] = LogicalTensor("optimizer.step", "step", (), "int64")
+        return out
+
+    def regions(self, rank: int) -> list[Region]:
+        """Everything ``rank`` holds, as regions of logical tensors."""
+        L = self.layout
+        V = L.model.vocab_size
+        out: list[Region] = []
+        opt_kinds = [k for k in self.kinds if k != "param"]
+        dist = L.parallel.use_distributed_optimizer
+        for cs in L.rank_shards(rank):
+            vp = cs.chunk.vp
+            for sh in cs.shards:
+                for lo, box in local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, V):
+                    for kind in (["param"] if dist else ["param", *opt_kinds]):
+                        out.append(Region(sh.param.key, kind, box, ParamSlot(vp, sh.param.name, lo)))
+            for b in cs.buffers:
+                pre = tuple(i for i, _ in b.prepend)
+                box = Box.of(pre + (0,) * len(b.shape), (1,) * len(pre) + b.shape)
+                out.append(Region(b.key, "buffer", box, BufferSlot(vp, b.name)))
+        if dist and opt_kinds:
+            by_name = {(cs.chunk.vp, sh.param.name): sh for cs in L.rank_shards(rank)
+                       for sh in cs.shards}
+            for bi, (buf, owned) in enumerate(L.rank_owned(rank)):
+                for o in owned:
+                    sh = by_name[(buf.chunk, o.name)]
+                    for lo, size in flat_boxes(sh.local_shape, *o.param):
+                        start = _flat_index(sh.local_shape, lo) - o.param[0]
+                        for plo, box in local_to_global(sh, lo, size, V):
+                            off = start + _flat_index(sh.local_shape, plo) - _flat_index(
+                                sh.local_shape, lo)
+                            for kind in opt_kinds:
+                                out.append(Region(sh.param.key, kind, box,
+                                                  FlatSlot(buf.chunk, bi, o.name, off)))
+        if opt_kinds:
+            out.append(Region("optimizer.step", "step", Box((), ()), BufferSlot(-1, "step")))
+        return out
+
+
+def _flat_index(shape: tuple[int, ...], idx: tuple[int, ...]) -> int:
+    flat = 0
+    for s, i in zip(shape, idx):
+        flat = flat * s + i
+    return flat

@@ -49,7 +49,7 @@ def _check_model(spec: LayoutSpec) -> None:
         _need(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
               f"must be divisible by num_attention_heads={m.num_attention_heads} "
               "(or set kv_channels)", m.hidden_size)
-    if isinstance(m.moe_layer_freq, list):
+    if isinstance(m.moe_layer_freq, tuple):
         _need(len(m.moe_layer_freq) == m.num_layers, "model.moe_layer_freq",
               f"a list must have one 0/1 entry per layer (num_layers={m.num_layers})",
               len(m.moe_layer_freq))

@@ -45,7 +45,7 @@ class ModelConfig(_Strict):
     moe_router_topk: PositiveInt = 2
     moe_shared_expert_intermediate_size: PositiveInt | None = None
     moe_shared_expert_gate: StrictBool = False
-    moe_layer_freq: PositiveInt | list[Annotated[StrictInt, Field(ge=0, le=1)]] = 1
+    moe_layer_freq: PositiveInt | tuple[Annotated[StrictInt, Field(ge=0, le=1)], ...] = 1
     moe_first_dense_layers: NonNegInt = 0  # convenience: the first k layers are dense
     moe_router_enable_expert_bias: StrictBool = False
 
@@ -70,7 +70,7 @@ class ModelConfig(_Strict):
         n = self.num_layers
         if not self.num_moe_experts:
             return (False,) * n
-        if isinstance(self.moe_layer_freq, list):
+        if isinstance(self.moe_layer_freq, tuple):
             pattern = tuple(bool(x) for x in self.moe_layer_freq)
         else:
             pattern = tuple(i % self.moe_layer_freq == 0 for i in range(n))
@@ -80,7 +80,7 @@ class ModelConfig(_Strict):
     @property
     def homogeneous_layers(self) -> bool:
         """True when the checkpoint stacks layers on a leading axis (Megatron's rule)."""
-        if isinstance(self.moe_layer_freq, list) or self.moe_first_dense_layers:
+        if isinstance(self.moe_layer_freq, tuple) or self.moe_first_dense_layers:
             return False
         return self.moe_layer_freq == 1
 
@@ -135,11 +135,11 @@ class WorldConfig(_Strict):
     nodes: PositiveInt | None = None
     gpus_per_node: PositiveInt | None = None
     first_node: NonNegInt = 0
-    devices: list[str] | None = None
+    devices: tuple[str, ...] | None = None
 
     @field_validator("devices")
     @classmethod
-    def _valid_devices(cls, v: list[str] | None) -> list[str] | None:
+    def _valid_devices(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
         if v is None:
             return v
         if not v:

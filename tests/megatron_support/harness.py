@@ -107,12 +107,13 @@ CFG_KEYS: dict[str, Any] = {
     "seed": 1234,
     "sharded_state_dict_metadata": None,  # e.g. {"singleton_local_shards": True}
     "transformer_config_overrides": None,  # extra TransformerConfig kwargs, passed verbatim
+    "ddp_config_overrides": None,  # extra DistributedDataParallelConfig kwargs (e.g. pad_buckets_for_high_nccl_busbw)
 }
 
 
 class MegatronBuildError(RuntimeError):
     """A worker failed while megatron built/wrapped the model. ``message`` is the exception text
-    (``Type: message``) of the lowest failing rank; ``worker_traceback`` its full traceback."""
+    (``Type: message``) of the failing rank ``rank``; ``worker_traceback`` its full traceback."""
 
     def __init__(self, rank: int | None, message: str, worker_traceback: str):
         self.rank = rank
@@ -192,7 +193,8 @@ def megatron_facts(cfg: dict, world_size: int, timeout: float = DEFAULT_TIMEOUT_
                            "torch.distributed default group / megatron parallel_state")
     with tempfile.TemporaryDirectory(prefix="mcore_facts_") as tmpdir:
         ctx = tmp.start_processes(
-            _worker, args=(world_size, c, tmpdir), nprocs=world_size, join=False, start_method="fork"
+            _worker, args=(world_size, c, tmpdir), nprocs=world_size, join=False, daemon=True,
+            start_method="fork",
         )
         deadline = time.monotonic() + timeout
         try:
@@ -231,8 +233,10 @@ def mcore_rejects(cfg: dict, world_size: int, timeout: float = DEFAULT_TIMEOUT_S
 
 
 def _collect_error(tmpdir: str, world_size: int, exc: Exception) -> MegatronBuildError:
-    """Prefer the error that our own worker wrapper recorded on the lowest failing rank."""
-    for r in range(world_size):
+    """Prefer the error our worker wrapper recorded on the rank torch saw fail first (others may
+    only have failed as a consequence), then on the lowest rank that recorded one."""
+    first = getattr(exc, "error_index", None)
+    for r in ([first] if first is not None else []) + list(range(world_size)):
         path = os.path.join(tmpdir, f"rank{r}.error.json")
         if os.path.exists(path):
             try:
@@ -407,6 +411,7 @@ def _build(c: dict):
         use_distributed_optimizer=bool(c["use_distributed_optimizer"]),
         num_distributed_optimizer_instances=c["num_distributed_optimizer_instances"],
         bucket_size=c["bucket_size"],
+        **(c["ddp_config_overrides"] or {}),
     )
     ddps = [
         DistributedDataParallel(

@@ -96,3 +96,15 @@ def to_spec_dict(cfg: dict) -> dict:
 
 def to_spec(cfg: dict) -> LayoutSpec:
     return spec_from_dict(to_spec_dict(cfg))
+
+
+def to_harness_cfg(cfg: dict) -> dict:
+    """A matrix entry as the megatron harness's input."""
+    out = {k: v for k, v in cfg.items() if k not in ("name", "world")}
+    out["seq_length"] = out.pop("max_position_embeddings")
+    # Spell out DynaTrain's defaults (Megatron's own) so both sides build the same model.
+    out.setdefault("position_embedding_type", "learned_absolute")
+    out.setdefault("normalization", "LayerNorm")
+    if out.pop("moe_shared_expert_gate", False):
+        out["transformer_config_overrides"] = {"moe_shared_expert_gate": True}
+    return out

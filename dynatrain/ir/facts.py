@@ -43,12 +43,16 @@ def param_facts(layout: Layout, rank: int) -> list[dict[str, Any]]:
                     "prepend_axis_num": npre,
                     "param_local_row_offset": piece.local_offset[0],
                 })
-        for b in cs.buffers:
+        c = layout.coords(rank)
+        for b in cs.buffers:  # replicated over TP and DP, like a norm weight
             pre = [i for i, _ in b.prepend]
             out.append({
                 "chunk": cs.chunk.vp, "key": b.key, "buffer_name": b.name,
                 "global_shape": [s for _, s in b.prepend] + list(b.shape),
                 "global_offset": pre + [0] * len(b.shape), "local_shape": list(b.shape),
+                "axis_fragmentations": [s for _, s in b.prepend] + [1] * len(b.shape),
+                "replica_id": [0, c.tp, c.dp_cp], "prepend_axis_num": len(pre),
+                "param_local_row_offset": 0,
             })
     return out
 

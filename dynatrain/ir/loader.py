@@ -7,6 +7,8 @@ whatever the input, surfaces as a single ``SpecError`` with a one-line message.
 from __future__ import annotations
 
 import os
+import re
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from .rules import check_rules
 from .spec import LayoutSpec
 
 MAX_SPEC_BYTES = 1 << 20
+_PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
 def load_spec(source: str | os.PathLike[str]) -> LayoutSpec:
@@ -27,16 +30,25 @@ def load_spec(source: str | os.PathLike[str]) -> LayoutSpec:
     Raises:
         SpecError: the file cannot be read, is not YAML, or breaks a rule.
     """
-    path = Path(source)
     try:
-        if path.stat().st_size > MAX_SPEC_BYTES:
-            raise SpecError(str(path), f"a spec file must be at most {MAX_SPEC_BYTES} bytes")
-        text = path.read_text(encoding="utf-8")
-    except SpecError:
-        raise
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecError(str(path), f"cannot read the spec file: {err.__class__.__name__}") from None
-    return parse_spec(text, origin=path.name)
+        path = Path(source)
+    except TypeError:
+        raise SpecError("spec", "a spec path must be a string or a path", _kind(source)) from None
+    where = _label(str(path))
+    try:
+        # Read at most one byte past the limit: the size a stat reports means nothing for
+        # /dev/zero or a pipe, and reading those whole would never end.
+        with path.open("rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        raise SpecError(where, f"cannot read the spec file: {err.__class__.__name__}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError(where, f"a spec file must be at most {MAX_SPEC_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError(where, "cannot read the spec file: it is not UTF-8 text") from None
+    return parse_spec(text, origin=_label(path.name))
 
 
 def parse_spec(text: str, origin: str = "spec") -> LayoutSpec:
@@ -48,13 +60,18 @@ def parse_spec(text: str, origin: str = "spec") -> LayoutSpec:
     """
     if not isinstance(text, str):
         raise SpecError(origin, "a spec must be YAML text", type(text).__name__)
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(origin, f"a spec must be at most {MAX_SPEC_BYTES} characters", len(text))
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise SpecError(origin, f"is not valid YAML{where}") from None
-    except (RecursionError, ValueError, TypeError, OverflowError) as err:
+    except Exception as err:  # noqa: BLE001
+        # PyYAML's safe constructors raise bare IndexError / KeyError / AttributeError on
+        # malformed tagged scalars (``!!int ""``, ``!!bool x``, ``!!timestamp x``), and deep
+        # nesting ends in RecursionError: all of them are bad input, not bugs of ours.
         raise SpecError(origin, f"is not valid YAML ({err.__class__.__name__})") from None
     return spec_from_dict(raw, origin)
 
@@ -68,7 +85,7 @@ def spec_from_dict(raw: Any, origin: str = "spec") -> LayoutSpec:
     try:
         spec = LayoutSpec.model_validate(raw)
     except ValidationError as err:
-        raise _first_error(err) from None
+        raise _first_error(err, raw) from None
     except (RecursionError, ValueError, TypeError, OverflowError) as err:
         raise SpecError(origin, f"cannot be validated ({err.__class__.__name__})") from None
     check_rules(spec)
@@ -85,24 +102,103 @@ def _resolve_model(model: Any) -> Any:
         name = model["preset"]
         if not isinstance(name, str) or name not in PRESETS:
             raise SpecError(
-                "model.preset", f"unknown preset; known: {', '.join(sorted(PRESETS))}", name
+                "model.preset", f"unknown preset; known: {', '.join(sorted(PRESETS))}",
+                _shown(name),
             )
         rest = {k: v for k, v in model.items() if k != "preset"}
         return {**PRESETS[name], **rest}
     return model
 
 
-def _first_error(err: ValidationError) -> SpecError:
-    first = err.errors(include_url=False)[0]
-    field = ".".join(str(p) for p in first["loc"]) or "spec"
+def _first_error(err: ValidationError, raw: Any) -> SpecError:
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    field = _field_path(first["loc"], raw)
+    # A union field (moe_layer_freq: int or list) reports one error per member; the deepest one
+    # names the bad entry (``model.moe_layer_freq.3``) instead of "should be an integer".
+    for other in errors[1:]:
+        path = _field_path(other["loc"], raw)
+        if path.startswith(field + "."):
+            first, field = other, path
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown field"
     elif first["type"] == "missing":
         msg = "is required"
     value = first.get("input")
-    got = None if first["type"] == "missing" or isinstance(value, dict) else value
-    return SpecError(field, msg, got)
+    got = None if first["type"] == "missing" or isinstance(value, dict) else _shown(value)
+    return SpecError(field, _one_line(msg), got)
+
+
+def _field_path(loc: tuple[Any, ...], raw: Any) -> str:
+    """Dotted path of a pydantic error location, walking the input it came from.
+
+    Location steps that are not keys or indexes of the input are the tags pydantic gives union
+    members (``constrained-int``); they name no place in the spec, so they are dropped.
+    """
+    parts: list[str] = []
+    node = raw
+    for step in loc:
+        if isinstance(node, dict):
+            parts.append(_segment(step))
+            node = node.get(step) if isinstance(step, (str, int)) else None
+        elif isinstance(node, list) and isinstance(step, int):
+            parts.append(str(step))
+            node = node[step] if 0 <= step < len(node) else None
+    return ".".join(parts) or "spec"
+
+
+def _segment(key: Any) -> str:
+    """One path step: a plain key as is, anything odd (newlines, huge, not a string) quoted."""
+    if isinstance(key, str) and _PLAIN_KEY.match(key):
+        return key
+    if isinstance(key, int) and not isinstance(key, bool) and key.bit_length() <= 64:
+        return str(key)
+    return _BRIEF.repr(key)
+
+
+def _label(text: str) -> str:
+    """A file name or path fit to start a one-line message."""
+    return text if text.isprintable() and 0 < len(text) <= 200 else _BRIEF.repr(text)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(text.splitlines())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Brief(reprlib.Repr):
+    """``reprlib`` that also bounds ints: Python refuses to print one past 4300 digits."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 1024:
+            return f"<{'-' if x < 0 else ''}{x.bit_length()}-bit integer>"
+        return super().repr_int(x, level)
+
+
+_BRIEF = _Brief()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 3, 40, 40, 40
+
+
+class _Shown:
+    """Stands in for a value whose full repr could be huge (an alias bomb) or fail (a huge int)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _shown(value: Any) -> Any:
+    """The value itself when its repr is cheap and safe, else a bounded stand-in."""
+    if value is None or isinstance(value, (bool, float, str, bytes)):
+        return value
+    if isinstance(value, int) and value.bit_length() <= 1024:
+        return value
+    return _Shown(_BRIEF.repr(value))
 
 
 def _kind(value: Any) -> str:

@@ -47,7 +47,8 @@ def shard(p: ParamDef, tp_rank: int, tp_size: int) -> Shard:
     pre_off = tuple(i for i, _ in p.prepend)
     pre_frag = tuple(s for _, s in p.prepend)
     nd = len(p.shape)
-    if p.split is None or tp_size == 1:
+    # SwiGLU stays two pieces even unsplit: Megatron's factory always emits [gate; up] halves.
+    if p.split is None or (tp_size == 1 and not p.split.glu):
         box = Box.of(pre_off + (0,) * nd, (1,) * len(pre_off) + p.shape)
         frag = pre_frag + (1,) * nd
         return Shard(p, p.shape, (Piece((0,) * nd, box),), frag)

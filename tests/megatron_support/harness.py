@@ -17,12 +17,25 @@ Choices that differ from a literal GPU run (none of them changes the layout):
   parameter-less stand-in. Core attention holds no parameters in either implementation.
 * Process groups are created with ``create_gloo_process_groups=False`` and the optimizer with
   ``use_gloo_process_groups=False`` (the default backend already is gloo; this only skips the
-  duplicate CPU-side groups and halves start-up time).
-* ``bucket_size=None`` -> ``overlap_grad_reduce=False`` (megatron then forces one bucket per
-  buffer). ``bucket_size=int`` -> ``overlap_grad_reduce=True`` with that bucket size, exactly like
-  training; as in ``megatron/training``'s ``get_model``, chunks after the first get
-  ``disable_bucketing=True`` (and DDP itself ignores bucket_size on pp ranks > 0). Construction
-  with overlap on needs no CUDA stream; nothing is run forward/backward.
+  duplicate CPU-side groups).
+* ``bucket_size=None`` -> ``overlap_grad_reduce=False``: DDP then sets bucket_size=None, i.e. one
+  bucket per buffer, except that with the distributed optimizer a ``shared_embedding`` param
+  (tied embedding/output copy with pp > 1) always gets a bucket of its own. ``bucket_size=int``
+  -> ``overlap_grad_reduce=True`` with that bucket size, as in training; as in Megatron-LM's
+  ``get_model``, chunks after the first get ``disable_bucketing=True`` (and DDP itself ignores
+  bucket_size on pp ranks > 0). Constructing DDP with overlap on needs no CUDA stream; nothing
+  is run forward/backward.
+
+Megatron-LM training conventions that are reproduced: vocab padded to a multiple of
+``make_vocab_size_divisible_by * tp``; each chunk wrapped in ``Float16Module`` (casts the torch
+LayerNorm params, created fp32, to bf16, so all params share one bf16 buffer) before DDP;
+``grad_reduce_in_fp32=True`` (what bf16 training turns on); ``seed + 100 * pp_rank``; MoE models
+use ``get_gpt_decoder_block_spec(use_transformer_engine=False)`` (per-layer local specs, so
+``moe_layer_freq`` works; it calls ``get_gpt_layer_local_spec(num_experts, moe_grouped_gemm=False,
+qk_layernorm)`` -> SequentialMLP), dense models ``get_gpt_layer_local_spec``. Defaults that are
+this harness's own: ``position_embedding_type="rope"`` (no position-embedding parameter; pass
+``"learned_absolute"`` for Megatron-LM's default) and ``moe_router_score_function="sigmoid"`` when
+``moe_router_enable_expert_bias`` (megatron requires it).
 """
 
 from __future__ import annotations

@@ -80,6 +80,9 @@ CASES: list[dict] = [
          moe_router_enable_expert_bias=True, **MOE),
     case("moe-no-distopt-ep2", 4, ep=2, tp=2, etp=1, use_distributed_optimizer=False, **MOE),
     case("moe-buckets-ep2", 4, ep=2, bucket_size=3000, **MOE),
+    case("distopt-instances2-dp4", 4, num_distributed_optimizer_instances=2),
+    case("distopt-instances2-moe-ep2-edp4", 8, ep=2, tp=2, etp=1, swiglu=True,
+         num_distributed_optimizer_instances=2, **MOE),
 ]
 # fmt: on
 

@@ -85,3 +85,26 @@ def test_ir_matches_megatron(cfg: dict) -> None:
     diffs = [f"rank {r}: {d}" for r in range(layout.world) for d in compare_rank(layout, r,
                                                                                   real[r])]
     assert not diffs, "\n".join(diffs[:12])
+
+
+def test_comparison_catches_a_wrong_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison is not vacuous: an IR that forgets the 64-element alignment, or that
+    assigns the wrong TP degree, is reported on every rank."""
+    cfg = next(c for c in CASES if c["name"] == "tp3-nonpow2")  # 48-wide: alignment matters
+    real = harness.megatron_facts(to_harness_cfg(cfg), cfg["world"])
+    wrong_tp = Layout(to_spec({**cfg, "tp": 1}))
+    assert all(compare_rank(wrong_tp, r, real[r]) for r in range(wrong_tp.world))
+
+    import dynatrain.ir.layout as layout_mod
+
+    original = layout_mod.layout_buffer
+
+    def unaligned(chunk, is_expert, dtype, params, dp_size, bucket_size, dist_opt):
+        return original.__wrapped__(chunk, is_expert, dtype, params, dp_size, bucket_size, False)
+
+    monkeypatch.setattr(layout_mod, "layout_buffer", unaligned)
+    layout = Layout(to_spec(cfg))
+    for r in range(layout.world):
+        diffs = compare_rank(layout, r, real[r])
+        assert any(d.startswith("buffers") for d in diffs), diffs
+        assert any(d.startswith("optimizer ranges") for d in diffs)

@@ -125,6 +125,8 @@ def _first_error(err: ValidationError, raw: Any) -> SpecError:
         msg = "unknown field"
     elif first["type"] == "missing":
         msg = "is required"
+    elif first["type"] == "value_error":  # our validators' words, without pydantic's prefix
+        msg = msg.removeprefix("Value error, ")
     value = first.get("input")
     got = None if first["type"] == "missing" or isinstance(value, dict) else _shown(value)
     return SpecError(field, _one_line(msg), got)

@@ -1,7 +1,9 @@
 """Read a layout spec from YAML text or a file into a validated ``LayoutSpec``.
 
-Only ``yaml.safe_load`` is used (YAML tags that construct objects are refused). Every failure,
-whatever the input, surfaces as a single ``SpecError`` with a one-line message.
+Only PyYAML's ``SafeLoader`` is used, the loader behind ``yaml.safe_load`` (YAML tags that
+construct objects are refused), and documents that would take far longer to build than to read
+(merge-key bombs, huge numbers) are refused before they are built. Every failure, whatever the
+input, surfaces as a single ``SpecError`` with a one-line message.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .errors import SpecError
 from .presets import PRESETS
@@ -21,6 +23,10 @@ from .rules import check_rules
 from .spec import LayoutSpec
 
 MAX_SPEC_BYTES = 1 << 20
+MAX_MAPPING_ENTRIES = 1 << 16  # after merge keys; a real spec has a few dozen
+MAX_NUMBER_CHARS = 1000  # an int past 2**40 is out of range anyway; 1000 still shows 2**200
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_INT_TAG = "tag:yaml.org,2002:int"
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
@@ -63,7 +69,9 @@ def parse_spec(text: str, origin: str = "spec") -> LayoutSpec:
     if len(text) > MAX_SPEC_BYTES:
         raise SpecError(origin, f"a spec must be at most {MAX_SPEC_BYTES} characters", len(text))
     try:
-        raw = yaml.safe_load(text)
+        raw = _safe_load(text, origin)
+    except SpecError:
+        raise
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -76,16 +84,74 @@ def parse_spec(text: str, origin: str = "spec") -> LayoutSpec:
     return spec_from_dict(raw, origin)
 
 
+def _safe_load(text: str, origin: str) -> Any:
+    """``yaml.safe_load``, split in two so the node graph is checked before it is built.
+
+    The SafeLoader builds no objects beyond plain data, but two of its plain-data features cost
+    far more than the text they come from: ``<<`` merge keys copy whole mappings (each level of
+    ``&aN {<<: [*aM, *aM]}`` doubles the work, so a 1 KiB document never finishes) and a
+    sexagesimal int (``1:2:3:...``) is summed in quadratic time. Plain aliases are safe: the
+    loader builds each aliased node once and shares it.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:  # an empty document
+            return None
+        _refuse_bombs(node, origin)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_bombs(root: yaml.Node, origin: str) -> None:
+    """Raise ``SpecError`` for a document that would take far longer to build than to read."""
+    expanded: dict[int, int] = {}
+
+    def entries(node: yaml.MappingNode) -> int:
+        """How many entries the mapping has once its merge keys are expanded."""
+        if id(node) not in expanded:
+            expanded[id(node)] = 0  # a merge cycle adds nothing (PyYAML drops the key first)
+            n = 0
+            for key, value in node.value:
+                if key.tag != _MERGE_TAG:
+                    n += 1
+                    continue
+                for m in value.value if isinstance(value, yaml.SequenceNode) else [value]:
+                    n += entries(m) if isinstance(m, yaml.MappingNode) else 0
+            expanded[id(node)] = n
+        return expanded[id(node)]
+
+    total, seen, todo = 0, set(), [root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            total += entries(node)
+            if total > MAX_MAPPING_ENTRIES:
+                raise SpecError(origin, f"expands to more than {MAX_MAPPING_ENTRIES} mapping "
+                                "entries (YAML merge keys)")
+            todo.extend(n for pair in node.value for n in pair)
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend(node.value)
+        elif node.tag == _INT_TAG and len(node.value) > MAX_NUMBER_CHARS:
+            raise SpecError(origin, f"has an integer of {len(node.value)} characters at line "
+                            f"{node.start_mark.line + 1} (at most {MAX_NUMBER_CHARS})")
+
+
 def spec_from_dict(raw: Any, origin: str = "spec") -> LayoutSpec:
     """Validate an already-parsed mapping (e.g. from YAML or JSON)."""
     if not isinstance(raw, dict):
         raise SpecError(origin, "a spec must be a mapping with model, parallel and world", _kind(raw))
     raw = dict(raw)
-    raw["model"] = _resolve_model(raw.get("model"))
+    if "model" in raw:
+        raw["model"] = _resolve_model(raw["model"])
     try:
         spec = LayoutSpec.model_validate(raw)
     except ValidationError as err:
-        raise _first_error(err, raw) from None
+        raise _first_error(err) from None
     except (RecursionError, ValueError, TypeError, OverflowError) as err:
         raise SpecError(origin, f"cannot be validated ({err.__class__.__name__})") from None
     check_rules(spec)
@@ -110,14 +176,14 @@ def _resolve_model(model: Any) -> Any:
     return model
 
 
-def _first_error(err: ValidationError, raw: Any) -> SpecError:
+def _first_error(err: ValidationError) -> SpecError:
     errors = err.errors(include_url=False)
     first = errors[0]
-    field = _field_path(first["loc"], raw)
+    field = _field_path(first["loc"])
     # A union field (moe_layer_freq: int or list) reports one error per member; the deepest one
     # names the bad entry (``model.moe_layer_freq.3``) instead of "should be an integer".
     for other in errors[1:]:
-        path = _field_path(other["loc"], raw)
+        path = _field_path(other["loc"])
         if path.startswith(field + "."):
             first, field = other, path
     msg = first["msg"]
@@ -127,26 +193,30 @@ def _first_error(err: ValidationError, raw: Any) -> SpecError:
         msg = "is required"
     elif first["type"] == "value_error":  # our validators' words, without pydantic's prefix
         msg = msg.removeprefix("Value error, ")
+    elif first["type"] in ("model_type", "dict_type"):
+        msg = "must be a preset name or a mapping" if field == "model" else "must be a mapping"
     value = first.get("input")
     got = None if first["type"] == "missing" or isinstance(value, dict) else _shown(value)
     return SpecError(field, _one_line(msg), got)
 
 
-def _field_path(loc: tuple[Any, ...], raw: Any) -> str:
-    """Dotted path of a pydantic error location, walking the input it came from.
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """Dotted path of a pydantic error location.
 
-    Location steps that are not keys or indexes of the input are the tags pydantic gives union
-    members (``constrained-int``); they name no place in the spec, so they are dropped.
+    Inside a leaf field (one that is not a section model) the only places are list indexes; the
+    strings pydantic puts there are the tags of union members (``constrained-int``), which name
+    no place in the spec, so they are dropped.
     """
     parts: list[str] = []
-    node = raw
+    model: type[BaseModel] | None = LayoutSpec
     for step in loc:
-        if isinstance(node, dict):
+        if model is not None:
             parts.append(_segment(step))
-            node = node.get(step) if isinstance(step, (str, int)) else None
-        elif isinstance(node, list) and isinstance(step, int):
+            field = model.model_fields.get(step) if isinstance(step, str) else None
+            sub = field.annotation if field is not None else None
+            model = sub if isinstance(sub, type) and issubclass(sub, BaseModel) else None
+        elif isinstance(step, int):
             parts.append(str(step))
-            node = node[step] if 0 <= step < len(node) else None
     return ".".join(parts) or "spec"
 
 

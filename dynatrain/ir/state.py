@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .box import Box
+from .buffers import owned_ranges
 from .layout import Layout
 from .shard import Shard, logical_box
 
@@ -78,6 +79,7 @@ class Region:
     kind: str
     box: Box
     slot: Slot
+    primary: bool = True  # False for the last stage's copy of a tied embedding
 
 
 def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -159,40 +161,67 @@ class StateView:
             out[("optimizer.step", "step")] = LogicalTensor("optimizer.step", "step", (), "int64")
         return out
 
-    def regions(self, rank: int) -> list[Region]:
-        """Everything ``rank`` holds, as regions of logical tensors."""
+    def regions(self, rank: int) -> tuple[Region, ...]:
+        """Everything ``rank`` holds, as regions of logical tensors.
+
+        Ranks that differ only in their data-parallel coordinate share the parameter regions,
+        and their optimizer shards depend on one index more, so both parts are cached.
+        """
+        L, c = self.layout, self.layout.coords(rank)
+        model = (c.pp, c.tp, c.ep, c.etp)
+        out = self._param_regions(model)
+        if L.parallel.use_distributed_optimizer and len(self.kinds) > 1:
+            out = out + self._shard_regions(model, L.optimizer_rank(rank, False),
+                                            L.optimizer_rank(rank, True))
+        return out
+
+    @lru_cache(maxsize=4096)
+    def _param_regions(self, model: tuple[int, int, int, int]) -> tuple[Region, ...]:
         L = self.layout
         V = L.model.vocab_size
         out: list[Region] = []
         opt_kinds = [k for k in self.kinds if k != "param"]
         dist = L.parallel.use_distributed_optimizer
-        for cs in L.rank_shards(rank):
+        for cs in L._shards(*model):
             vp = cs.chunk.vp
             for sh in cs.shards:
+                primary = not sh.param.tied_copy
                 for lo, box in local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, V):
                     for kind in (["param"] if dist else ["param", *opt_kinds]):
-                        out.append(Region(sh.param.key, kind, box, ParamSlot(vp, sh.param.name, lo)))
+                        out.append(Region(sh.param.key, kind, box,
+                                          ParamSlot(vp, sh.param.name, lo), primary))
             for b in cs.buffers:
                 pre = tuple(i for i, _ in b.prepend)
                 box = Box.of(pre + (0,) * len(b.shape), (1,) * len(pre) + b.shape)
                 out.append(Region(b.key, "buffer", box, BufferSlot(vp, b.name)))
-        if dist and opt_kinds:
-            by_name = {(cs.chunk.vp, sh.param.name): sh for cs in L.rank_shards(rank)
-                       for sh in cs.shards}
-            for bi, (buf, owned) in enumerate(L.rank_owned(rank)):
-                for o in owned:
-                    sh = by_name[(buf.chunk, o.name)]
-                    for lo, size in flat_boxes(sh.local_shape, *o.param):
-                        start = _flat_index(sh.local_shape, lo) - o.param[0]
-                        for plo, box in local_to_global(sh, lo, size, V):
-                            off = start + _flat_index(sh.local_shape, plo) - _flat_index(
-                                sh.local_shape, lo)
-                            for kind in opt_kinds:
-                                out.append(Region(sh.param.key, kind, box,
-                                                  FlatSlot(buf.chunk, bi, o.name, off)))
         if opt_kinds:
             out.append(Region("optimizer.step", "step", Box((), ()), BufferSlot(-1, "step")))
-        return out
+        return tuple(out)
+
+    @lru_cache(maxsize=1 << 14)
+    def _shard_regions(self, model: tuple[int, int, int, int], dense_rank: int,
+                       expert_rank: int) -> tuple[Region, ...]:
+        """Regions of the DistributedOptimizer's shards for one optimizer rank."""
+        L = self.layout
+        V = L.model.vocab_size
+        opt_kinds = [k for k in self.kinds if k != "param"]
+        shards = L._shards(*model)
+        by_name = {(cs.chunk.vp, sh.param.name): sh for cs in shards for sh in cs.shards}
+        out: list[Region] = []
+        for bi, buf in enumerate(L._buffers(*model)):
+            owned = owned_ranges(buf, expert_rank if buf.is_expert else dense_rank)
+            for o in owned:
+                sh = by_name[(buf.chunk, o.name)]
+                for lo, size in flat_boxes(sh.local_shape, *o.param):
+                    start = _flat_index(sh.local_shape, lo) - o.param[0]
+                    for plo, box in local_to_global(sh, lo, size, V):
+                        off = start + _flat_index(sh.local_shape, plo) - _flat_index(
+                            sh.local_shape, lo)
+                        for kind in opt_kinds:
+                            out.append(Region(sh.param.key, kind, box,
+                                              FlatSlot(buf.chunk, bi, o.name, off),
+                                              not sh.param.tied_copy))
+        return tuple(out)
 
 
 def _flat_index(shape: tuple[int, ...], idx: tuple[int, ...]) -> int:

@@ -1,0 +1,86 @@
+"""The planner's named pass pipeline: intersect -> pick_sources -> coalesce -> rounds.
+
+``plan_transition(src, dst, budget_bytes)`` returns a ``Plan`` plus its summary numbers. Each pass
+is a pure function of the previous pass's output; ``trace(name, value, seconds)`` sees each one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..ir.layout import Layout
+from ..ir.state import StateView
+from .cost import H100, Topology, lower_bound_seconds, predicted_seconds
+from .intersect import PlanError, intersect
+from .plan import Plan
+from .schedule import coalesce, peak_staging, schedule_rounds
+from .sources import pick_sources
+
+Trace = Callable[[str, Any, float], None]
+
+
+def check_compatible(src: StateView, dst: StateView) -> dict[tuple[str, str], str]:
+    """Same logical tensors on both sides (padding aside); returns each tensor's dtype."""
+    s, d = src.tensors(), dst.tensors()
+    for tk, t in d.items():
+        if tk not in s:
+            raise PlanError(f"{tk[0]} [{tk[1]}]: the destination has it, the source does not "
+                            "(are both specs the same model?)")
+        if s[tk].shape != t.shape:
+            raise PlanError(f"{tk[0]} [{tk[1]}]: shape {list(s[tk].shape)} in the source but "
+                            f"{list(t.shape)} in the destination (are both specs the same model?)")
+        if s[tk].dtype != t.dtype:
+            raise PlanError(f"{tk[0]} [{tk[1]}]: dtype {s[tk].dtype} in the source but {t.dtype} "
+                            "in the destination; dtype changes are not a layout switch")
+    return {tk: t.dtype for tk, t in d.items()}
+
+
+def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topology = H100,
+                    trace: Trace | None = None) -> Plan:
+    """Plan moving every piece of ``dst``'s state from where ``src`` holds it.
+
+    Raises:
+        PlanError: the layouts are not the same model, or the budget cannot fit one element.
+    """
+    if budget_bytes <= 0:
+        raise PlanError(f"--budget must be positive (got {budget_bytes})")
+    t0 = time.perf_counter()
+    sv, dv = StateView(src), StateView(dst)
+    dtypes = check_compatible(sv, dv)
+
+    def step(name: str, fn: Callable[[], Any]) -> Any:
+        t = time.perf_counter()
+        out = fn()
+        if trace:
+            trace(name, out, time.perf_counter() - t)
+        return out
+
+    needs = step("intersect", lambda: intersect(sv, dv))
+    transfers = step("pick_sources", lambda: pick_sources(needs, src.devices, dst.devices, dtypes))
+    messages = step("coalesce", lambda: coalesce(transfers, src.devices, dst.devices,
+                                                 budget_bytes))
+    rounds = step("rounds", lambda: schedule_rounds(messages, budget_bytes))
+    plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,
+                tuple(rounds), budget_bytes)
+    lower_bytes = sum(0 if any(src.devices[h.rank] == dst.devices[n.dst.rank]
+                               for h in n.holders) else t.nbytes
+                      for n, t in zip(needs, transfers))
+    moved = sum(m.nbytes for m in plan.messages() if not m.local)
+    peaks = [max(peak_staging(r).values(), default=0) for r in rounds]
+    plan.stats.update(
+        bytes_moved=moved,
+        bytes_lower_bound=lower_bytes,
+        bytes_local=sum(m.nbytes for m in plan.messages() if m.local),
+        messages=sum(1 for m in plan.messages() if not m.local),
+        transfers=len(transfers),
+        rounds=len(rounds),
+        peak_staging_bytes=max(peaks, default=0),
+        budget_bytes=budget_bytes,
+        predicted_seconds=predicted_seconds(plan, topology),
+        lower_bound_seconds=lower_bound_seconds(plan, topology),
+        topology=topology.name,
+        plan_seconds=time.perf_counter() - t0,
+    )
+    return plan

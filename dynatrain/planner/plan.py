@@ -1,0 +1,84 @@
+"""Plans as data: frozen transfer records grouped into messages and rounds.
+
+A ``Transfer`` moves one box of one logical tensor (for one or more state kinds that share the
+box) from a slot on a source rank to a slot on a destination rank. Transfers between the same
+pair of devices are coalesced into a ``Message``; messages are grouped into ``Round``s that run
+one after another, each within the per-device staging budget. Everything is hashable and
+serializable (``dynatrain.planner.serialize``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.box import Box
+from ..ir.state import Slot
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Transfer:
+    """Copy ``box`` of ``key`` for ``kinds`` from a source region to a destination region.
+
+    A region is a slot plus the box (its anchor) stored there; ``box`` lies inside both anchors,
+    so the runtime views each slot's storage with its anchor's shape and slices ``box`` out.
+    """
+
+    key: str
+    kinds: tuple[str, ...]
+    box: Box
+    src_rank: int
+    dst_rank: int
+    src_slot: Slot = field(compare=False)
+    src_anchor: Box = field(compare=False)
+    dst_slot: Slot = field(compare=False)
+    dst_anchor: Box = field(compare=False)
+    nbytes: int = field(compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.key}{self.box} [{','.join(self.kinds)}] r{self.src_rank}->r{self.dst_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """All transfers from one source device to one destination device in a round."""
+
+    src_device: str
+    dst_device: str
+    transfers: tuple[Transfer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.transfers)
+
+    @property
+    def local(self) -> bool:
+        return self.src_device == self.dst_device
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """Messages that run together; a device's staging in a round stays within the budget."""
+
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete transition plan from ``src`` to ``dst`` (spec names/paths for reference)."""
+
+    src_name: str
+    dst_name: str
+    src_devices: tuple[str, ...]
+    dst_devices: tuple[str, ...]
+    rounds: tuple[Round, ...]
+    budget_bytes: int
+    stats: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def transfers(self):
+        for rnd in self.rounds:
+            for msg in rnd.messages:
+                yield from msg.transfers
+
+    def messages(self):
+        for rnd in self.rounds:
+            yield from rnd.messages

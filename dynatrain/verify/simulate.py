@@ -1,0 +1,88 @@
+"""A single-process numpy executor of plans: the oracle that plans are checked against.
+
+``materialize`` builds every rank's local storage (module params, optimizer shards, buffers) of a
+layout from global tensors, through the IR's regions. ``execute`` runs a plan's transfers from a
+source storage into a fresh destination storage. A correct plan gives a destination storage equal,
+bit for bit, to ``materialize`` of the destination layout from the same global tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..ir.box import Box
+from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot, StateView
+from ..planner.plan import Plan
+
+Storage = dict[tuple, np.ndarray]  # per rank: (kind, slot kind, chunk, name) -> array
+
+
+def _slot_key(kind: str, slot: Slot) -> tuple:
+    return (kind, type(slot).__name__, slot.chunk, slot.name)
+
+
+def allocate(view: StateView, rank: int) -> Storage:
+    """Zero-filled local storage of ``rank`` (padding stays zero, as Megatron fills it)."""
+    L = view.layout
+    store: Storage = {}
+    shapes = {(cs.chunk.vp, sh.param.name): sh.local_shape for cs in L.rank_shards(rank)
+              for sh in cs.shards}
+    lengths = {(b.chunk, o.name): o.param[1] - o.param[0] for b, owned in L.rank_owned(rank)
+               for o in owned}
+    for reg in view.regions(rank):
+        k = _slot_key(reg.kind, reg.slot)
+        if k in store:
+            continue
+        s = reg.slot
+        if isinstance(s, ParamSlot):
+            store[k] = np.zeros(shapes[(s.chunk, s.name)], np.float32)
+        elif isinstance(s, FlatSlot):
+            store[k] = np.zeros(lengths[(s.chunk, s.name)], np.float32)
+        else:
+            store[k] = np.zeros(reg.box.shape, np.float32)
+    return store
+
+
+def region(store: Storage, kind: str, slot: Slot, anchor: Box) -> np.ndarray:
+    """A writable view of ``anchor`` inside the storage of ``slot``."""
+    arr = store[_slot_key(kind, slot)]
+    if isinstance(slot, ParamSlot):
+        local = anchor.shape[len(anchor.shape) - arr.ndim:]
+        sl = tuple(slice(o, o + n) for o, n in zip(slot.local_offset, local))
+        return arr[sl].reshape(anchor.shape)
+    if isinstance(slot, FlatSlot):
+        return arr[slot.offset:slot.offset + math.prod(anchor.shape)].reshape(anchor.shape)
+    assert isinstance(slot, BufferSlot)
+    return arr.reshape(anchor.shape)
+
+
+def _within(box: Box, anchor: Box) -> tuple[slice, ...]:
+    return tuple(slice(l - a, h - a) for l, h, a in zip(box.lo, box.hi, anchor.lo))
+
+
+def materialize(view: StateView, tensors: dict[tuple[str, str], np.ndarray]) -> list[Storage]:
+    """Every rank's storage for ``view``'s layout, filled from global ``tensors``."""
+    out = []
+    for rank in range(view.layout.world):
+        store = allocate(view, rank)
+        for reg in view.regions(rank):
+            g = np.asarray(tensors[(reg.key, reg.kind)])
+            sl = tuple(slice(l, h) for l, h in zip(reg.box.lo, reg.box.hi))
+            region(store, reg.kind, reg.slot, reg.box)[...] = g[sl]
+        out.append(store)
+    return out
+
+
+def execute(plan: Plan, src: list[Storage], dst_view: StateView) -> list[Storage]:
+    """Run ``plan`` round by round; returns the destination storages."""
+    dst = [allocate(dst_view, r) for r in range(dst_view.layout.world)]
+    for rnd in plan.rounds:
+        for msg in rnd.messages:
+            for t in msg.transfers:
+                for kind in t.kinds:
+                    s = region(src[t.src_rank], kind, t.src_slot, t.src_anchor)
+                    d = region(dst[t.dst_rank], kind, t.dst_slot, t.dst_anchor)
+                    d[_within(t.box, t.dst_anchor)] = s[_within(t.box, t.src_anchor)]
+    return dst

@@ -1,4 +1,4 @@
-"""``dynatrain`` command line: inspect layouts (and, as the planner lands, plans).
+"""``dynatrain`` command line: inspect layouts and plan switches between them.
 
 Bad input prints one line naming the field and the rule, and exits with status 2.
 """
@@ -93,6 +93,76 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1e9' -> bytes."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise DynatrainError(f"--budget: expected a size like 2GiB or 512MiB (got {text!r})") from None
+    if not 0 < value < 1 << 60:
+        raise DynatrainError(f"--budget: must be positive (got {text!r})")
+    return int(value)
+
+
+def _grid(layout: Layout) -> str:
+    p, m = layout.parallel, layout.model
+    out = f"tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp else "") + (
+        f" cp{p.cp}" if p.cp > 1 else "") + f" dp{layout.dp}"
+    if m.num_moe_experts:
+        out += f" ep{p.ep} etp{p.expert_tp} edp{layout.edp}"
+    return out + ("" if p.use_distributed_optimizer else " (no dist-opt)")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .planner.cost import load_topology
+    from .planner.pipeline import plan_transition
+    from .planner.serialize import plan_to_json
+
+    src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
+    topo = load_topology(args.topology)
+    plan = plan_transition(src, dst, parse_bytes(args.budget), topo)
+    st = plan.stats
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(plan_to_json(plan), f, separators=(",", ":"))
+    moved_by_key: dict[str, int] = {}
+    for m in plan.messages():
+        if not m.local:
+            for t in m.transfers:
+                moved_by_key[t.key] = moved_by_key.get(t.key, 0) + t.nbytes
+    lb = st["bytes_lower_bound"]
+    ratio = st["predicted_seconds"] / st["lower_bound_seconds"] if st["lower_bound_seconds"] else 1.0
+    lines = [
+        f"{plan.src_name}  ->  {plan.dst_name}",
+        f"  src     {_grid(src):<32} {src.world} devices",
+        f"  dst     {_grid(dst):<32} {dst.world} devices"
+        f" ({len(set(dst.devices) - set(src.devices))} new,"
+        f" {len(set(src.devices) - set(dst.devices))} leaving)",
+        f"  moved   {_fmt_bytes(st['bytes_moved'])} (lower bound {_fmt_bytes(lb)}"
+        + (", optimal)" if st["bytes_moved"] == lb else f", {st['bytes_moved'] / max(lb, 1):.3f}x)"),
+        f"  local   {_fmt_bytes(st['bytes_local'])} copied on the same device",
+        f"  sends   {st['messages']} messages in {st['rounds']} rounds, "
+        f"peak staging {_fmt_bytes(st['peak_staging_bytes'])} per device "
+        f"(budget {_fmt_bytes(st['budget_bytes'])})",
+        f"  time    {st['predicted_seconds']:.3f} s predicted on {st['topology']} "
+        f"(lower bound {st['lower_bound_seconds']:.3f} s, {ratio:.2f}x)",
+        f"  planned in {st['plan_seconds']:.2f} s ({st['transfers']} transfers)",
+        "  biggest movers",
+    ]
+    for key, n in sorted(moved_by_key.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
+        lines.append(f"    {_fmt_bytes(n):>10}  {key}")
+    print("\n".join(lines))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="dynatrain", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -101,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--json", metavar="FILE", help="write per-rank facts as JSON ('-': stdout)")
     lay.add_argument("--ranks", help="with --json: only these ranks, e.g. 0,3,8-15")
     lay.set_defaults(func=cmd_layout)
+    pl = sub.add_parser("plan", help="plan a switch from one layout to another")
+    pl.add_argument("src")
+    pl.add_argument("dst")
+    pl.add_argument("--budget", default="2GiB", help="staging memory per device (default 2GiB)")
+    pl.add_argument("--topology", default="h100", help="h100, h800 or a topology YAML file")
+    pl.add_argument("--json", metavar="FILE", help="write the plan and its summary as JSON")
+    pl.set_defaults(func=cmd_plan)
     return ap
 
 

@@ -1,0 +1,72 @@
+"""Plans to and from versioned JSON (plain data: no pickle, nothing executable)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..ir.box import Box
+from ..ir.errors import DynatrainError
+from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot
+from .plan import Message, Plan, Round, Transfer
+
+FORMAT = "dynatrain.plan/1"
+
+
+def _slot(s: Slot) -> list:
+    if isinstance(s, ParamSlot):
+        return ["param", s.chunk, s.name, list(s.local_offset)]
+    if isinstance(s, FlatSlot):
+        return ["flat", s.chunk, s.buffer, s.name, s.offset]
+    return ["buffer", s.chunk, s.name]
+
+
+def _unslot(v: list) -> Slot:
+    if v[0] == "param":
+        return ParamSlot(int(v[1]), str(v[2]), tuple(int(x) for x in v[3]))
+    if v[0] == "flat":
+        return FlatSlot(int(v[1]), int(v[2]), str(v[3]), int(v[4]))
+    if v[0] == "buffer":
+        return BufferSlot(int(v[1]), str(v[2]))
+    raise DynatrainError(f"plan: unknown slot type {v[0]!r}")
+
+
+def _box(b: Box) -> list:
+    return [list(b.lo), list(b.hi)]
+
+
+def _unbox(v: list) -> Box:
+    return Box(tuple(int(x) for x in v[0]), tuple(int(x) for x in v[1]))
+
+
+def plan_to_json(plan: Plan) -> dict[str, Any]:
+    """A JSON-able document of ``plan`` (format ``dynatrain.plan/1``)."""
+    return {
+        "format": FORMAT,
+        "src": plan.src_name, "dst": plan.dst_name,
+        "src_devices": list(plan.src_devices), "dst_devices": list(plan.dst_devices),
+        "budget_bytes": plan.budget_bytes,
+        "summary": dict(plan.stats),
+        "rounds": [[{
+            "src_device": m.src_device, "dst_device": m.dst_device,
+            "transfers": [[t.key, list(t.kinds), _box(t.box), t.src_rank, t.dst_rank,
+                           _slot(t.src_slot), _box(t.src_anchor), _slot(t.dst_slot),
+                           _box(t.dst_anchor), t.nbytes] for t in m.transfers],
+        } for m in r.messages] for r in plan.rounds],
+    }
+
+
+def plan_from_json(doc: dict[str, Any]) -> Plan:
+    """Read a plan back; raises ``DynatrainError`` on a document of another format."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise DynatrainError(f"plan: not a {FORMAT} document")
+    try:
+        rounds = tuple(Round(tuple(Message(m["src_device"], m["dst_device"], tuple(
+            Transfer(str(t[0]), tuple(t[1]), _unbox(t[2]), int(t[3]), int(t[4]), _unslot(t[5]),
+                     _unbox(t[6]), _unslot(t[7]), _unbox(t[8]), int(t[9]))
+            for t in m["transfers"])) for m in r)) for r in doc["rounds"])
+        plan = Plan(str(doc["src"]), str(doc["dst"]), tuple(doc["src_devices"]),
+                    tuple(doc["dst_devices"]), rounds, int(doc["budget_bytes"]))
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise DynatrainError(f"plan: malformed document ({err.__class__.__name__}: {err})") from None
+    plan.stats.update(doc.get("summary", {}))
+    return plan

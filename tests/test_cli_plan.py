@@ -1,0 +1,43 @@
+"""`dynatrain plan` on shipped specs: summary, JSON round trip, clean errors."""
+
+from __future__ import annotations
+
+import json
+
+from dynatrain.cli import main, parse_bytes
+from dynatrain.planner.serialize import plan_from_json, plan_to_json
+
+SRC = "specs/llama3.1-70b/tp8-pp4-dp4.yaml"
+DST = "specs/llama3.1-70b/tp8-pp8-dp2.yaml"
+
+
+def test_plan_prints_summary_and_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", SRC, DST, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "optimal" in text and "rounds" in text and "biggest movers" in text
+    doc = json.loads(out.read_text())
+    for field in ("bytes_moved", "bytes_lower_bound", "bytes_local", "messages", "rounds",
+                  "peak_staging_bytes", "budget_bytes", "predicted_seconds",
+                  "lower_bound_seconds", "plan_seconds"):
+        assert field in doc["summary"], field
+    assert doc["summary"]["bytes_moved"] == doc["summary"]["bytes_lower_bound"]
+    assert doc["summary"]["peak_staging_bytes"] <= doc["summary"]["budget_bytes"]
+    again = plan_to_json(plan_from_json(doc))
+    assert again == doc
+
+
+def test_plan_errors_are_one_line_exit_2(tmp_path, capsys) -> None:
+    assert main(["plan", SRC, "specs/qwen3-30b-a3b/tp2-pp2-ep4.yaml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "same model" in err[0]
+    assert main(["plan", SRC, DST, "--budget", "lots"]) == 2
+    assert "--budget" in capsys.readouterr().err
+    assert main(["plan", SRC, DST, "--budget", "1B"]) == 2
+    assert "too small" in capsys.readouterr().err
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("512 MiB") == 512 << 20
+    assert parse_bytes("1e9") == 10**9

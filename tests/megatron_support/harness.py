@@ -121,6 +121,7 @@ CFG_KEYS: dict[str, Any] = {
     "sharded_state_dict_metadata": None,  # e.g. {"singleton_local_shards": True}
     "transformer_config_overrides": None,  # extra TransformerConfig kwargs, passed verbatim
     "ddp_config_overrides": None,  # extra DistributedDataParallelConfig kwargs (e.g. pad_buckets_for_high_nccl_busbw)
+    "probes": None,  # optional extra measurements, see probes.py; adds facts["probes"]
 }
 
 
@@ -196,6 +197,7 @@ def megatron_facts(cfg: dict, world_size: int, timeout: float = DEFAULT_TIMEOUT_
           gbuf, bucket, param in this rank's shard):
           {chunk, is_expert, buffer (index into buffers), bucket, param_name, gbuf_world,
            gbuf_world_in_bucket, gbuf_local, param, main_param_numel}
+      probes: only when cfg["probes"] is set: one result per requested probe (see probes.py)
     """
     c = _resolve_cfg(cfg)
     if not isinstance(world_size, int) or world_size < 1:
@@ -524,7 +526,7 @@ def _build_and_extract(rank: int, c: dict) -> dict:
                 continue
             opt_facts.extend(_describe_dist_opt(opt, buffer_index, buffers, name_of))
 
-    return {
+    facts = {
         "rank": rank,
         "padded_vocab_size": c["padded_vocab_size"],
         "coords": {k: int(v) for k, v in coords.items()},
@@ -535,6 +537,11 @@ def _build_and_extract(rank: int, c: dict) -> dict:
         "buffers": buffers,
         "optimizer": opt_facts,
     }
+    if c["probes"]:
+        from .probes import ProbeContext, run_probes
+
+        facts["probes"] = run_probes(ProbeContext(c, gpts, ddps, optimizer), c["probes"])
+    return facts
 
 
 def _sharded_tensors(sd, factory=None):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 
@@ -23,7 +22,10 @@ class Box:
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        n = 1
+        for l, h in zip(self.lo, self.hi):
+            n *= h - l
+        return n
 
     def __and__(self, other: "Box") -> "Box | None":
         lo = tuple(map(max, self.lo, other.lo))

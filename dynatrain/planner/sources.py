@@ -20,16 +20,26 @@ def pick_sources(needs: list[Need], src_devices: tuple[str, ...], dst_devices: t
                  dtypes: dict[tuple[str, str], str]) -> list[Transfer]:
     """One ``Transfer`` per need, from the cheapest holder."""
     load: dict[str, int] = defaultdict(int)
+    src_nodes = [node_of(d) for d in src_devices]
+    dst_nodes = [node_of(d) for d in dst_devices]
+    elem_bytes: dict[tuple[str, tuple[str, ...]], int] = {}
     out = []
     for n in needs:
-        nbytes = n.box.numel * sum(DTYPE_BYTES.get(dtypes[(n.key, k)], 8) for k in n.kinds)
-        dst_dev = dst_devices[n.dst.rank]
-        best = min(n.holders, key=lambda h: (
-            src_devices[h.rank] != dst_dev,
-            node_of(src_devices[h.rank]) != node_of(dst_dev),
-            load[src_devices[h.rank]],
-            h.rank,
-        ))
+        eb = elem_bytes.get((n.key, n.kinds))
+        if eb is None:
+            eb = elem_bytes[(n.key, n.kinds)] = sum(DTYPE_BYTES.get(dtypes[(n.key, k)], 8)
+                                                     for k in n.kinds)
+        nbytes = n.box.numel * eb
+        dst_dev, dst_node = dst_devices[n.dst.rank], dst_nodes[n.dst.rank]
+        if len(n.holders) == 1:
+            best = n.holders[0]
+        else:
+            best = min(n.holders, key=lambda h: (
+                src_devices[h.rank] != dst_dev,
+                src_nodes[h.rank] != dst_node,
+                load[src_devices[h.rank]],
+                h.rank,
+            ))
         src_dev = src_devices[best.rank]
         if src_dev != dst_dev:
             load[src_dev] += nbytes

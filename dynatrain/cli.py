@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from typing import Sequence
@@ -31,14 +32,24 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as err:
+        raise DynatrainError(f"--json: cannot write {path!r} ({err.strerror or err})") from None
+
+
 def _parse_ranks(text: str | None, world: int) -> list[int]:
     if text is None:
         return list(range(world))
     ranks: list[int] = []
     for part in text.split(","):
         lo, _, hi = part.partition("-")
-        if not lo.strip().isdigit() or (hi and not hi.strip().isdigit()):
-            raise DynatrainError(f"--ranks: expected e.g. 0,3,8-15 (got {text!r})")
+        # ASCII digits only, and short: str.isdigit() also accepts '²', which int() refuses.
+        if not re.fullmatch(r"[0-9]{1,9}", lo.strip()) or (
+                hi and not re.fullmatch(r"[0-9]{1,9}", hi.strip())):
+            raise DynatrainError(f"--ranks: expected e.g. 0,3,8-15 (got {text[:40]!r})")
         a, b = int(lo), int(hi) if hi else int(lo)
         if not 0 <= a <= b < world:
             raise DynatrainError(f"--ranks: ranks must lie in [0, {world}) (got {part!r})")
@@ -49,6 +60,8 @@ def _parse_ranks(text: str | None, world: int) -> list[int]:
 def cmd_layout(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     layout = Layout(load_spec(args.spec))
+    if args.ranks is not None and not args.json:
+        raise DynatrainError("--ranks: only applies with --json")
     if args.json:
         ranks = _parse_ranks(args.ranks, layout.world)
         doc = {"format": "dynatrain.layout/1", "spec": args.spec, "world": layout.world,
@@ -57,8 +70,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         if args.json == "-":
             sys.stdout.write(text + "\n")
         else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text)
+            _write(args.json, text)
         return 0
     kinds = bytes_by_kind(layout)
     p, m = layout.parallel, layout.model
@@ -131,8 +143,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_transition(src, dst, parse_bytes(args.budget), topo)
     st = plan.stats
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(plan_to_json(plan), f, separators=(",", ":"))
+        _write(args.json, json.dumps(plan_to_json(plan), separators=(",", ":")))
     moved_by_key: dict[str, int] = {}
     for m in plan.messages():
         if not m.local:

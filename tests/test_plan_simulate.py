@@ -22,6 +22,7 @@ DENSE = dict(num_layers=4, hidden_size=48, num_attention_heads=12, num_query_gro
              ffn_hidden_size=96, vocab_size=150, make_vocab_size_divisible_by=8, swiglu=True,
              max_position_embeddings=32)
 MOE = dict(DENSE, num_moe_experts=4, moe_ffn_hidden_size=24, moe_router_enable_expert_bias=True,
+           moe_router_score_function="sigmoid",
            moe_shared_expert_intermediate_size=48)
 
 

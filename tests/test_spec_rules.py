@@ -89,7 +89,8 @@ BROKEN = [
       "world.devices": ["node0:gpu0", "node0:gpu1", "node0:gpu0", "node0:gpu3"]},
      "world.devices", "'node0:gpu0' is listed twice"),
     ("devices-bad-id", DENSE,
-     {"world.nodes": DELETE, "world.gpus_per_node": DELETE, "world.devices": ["node0:gpu0", "gpu1"]},
+     {"world.nodes": DELETE, "world.gpus_per_node": DELETE,
+      "world.devices": ["node0:gpu0", "gpu1"]},
      "world.devices", "device ids look like 'node3:gpu5'"),
     ("devices-bad-id-too-many-digits", DENSE,
      {"world.nodes": DELETE, "world.gpus_per_node": DELETE, "world.devices": ["node1234567:gpu0"]},
@@ -121,7 +122,8 @@ BROKEN = [
      {"parallel.num_distributed_optimizer_instances": 3},
      "parallel.num_distributed_optimizer_instances", "must divide dp*cp=8"),
     ("optimizer-instances-need-distributed-optimizer", DENSE,
-     {"parallel.num_distributed_optimizer_instances": 2, "parallel.use_distributed_optimizer": False},
+     {"parallel.num_distributed_optimizer_instances": 2,
+      "parallel.use_distributed_optimizer": False},
      "parallel.num_distributed_optimizer_instances", "needs use_distributed_optimizer"),
     ("ep-needs-moe", DENSE, {"parallel.ep": 2}, "parallel.ep", "needs a MoE model"),
     ("etp-needs-moe", DENSE, {"parallel.etp": 2}, "parallel.etp", "needs a MoE model"),
@@ -277,11 +279,8 @@ def test_edge_of_rule_is_allowed(base, changes):
     Layout(spec_from_dict(changed(base, changes)))
 
 
-# Where rules.py and megatron-core 0.16.1 disagree (see the helper's report). Strict: once the
-# rule is fixed these pass, and the marker has to go.
-@pytest.mark.xfail(strict=True, reason="rules.py accepts a middle stage with zero layers; "
-                   "megatron-core raises 'Mismatch: 0 middle layers remaining but 1 middle PP "
-                   "stages available'")
+# Where rules.py once disagreed with megatron-core 0.16.1: megatron-core rejects the first and
+# third and accepts the second.
 def test_uneven_pp_middle_stage_without_layers_is_rejected():
     with pytest.raises(SpecError):
         spec_from_dict(changed(DENSE, {"parallel.pp": 4,
@@ -289,15 +288,11 @@ def test_uneven_pp_middle_stage_without_layers_is_rejected():
                                        "parallel.decoder_last_pipeline_num_layers": 4}))
 
 
-@pytest.mark.xfail(strict=True, reason="rules.py rejects an order not ending in pp when pp == 1; "
-                   "megatron-core's assertion exempts pipeline_model_parallel_size == 1")
 def test_order_rule_exempts_pp1():
     spec_from_dict(changed(MOE, {"parallel.tp": 2, "parallel.ep": 4, "parallel.etp": 1,
                                  "parallel.order": "pp-tp-cp-ep-dp", "world.nodes": 2}))
 
 
-@pytest.mark.xfail(strict=True, reason="rules.py misses megatron-core's assertion that the dense "
-                   "and expert rank generators give the same pp groups")
 def test_order_with_different_pp_groups_is_rejected():
     with pytest.raises(SpecError):
         spec_from_dict(changed(MOE, {"parallel.tp": 2, "parallel.cp": 2, "parallel.pp": 2,

@@ -62,6 +62,10 @@ def _check_model(spec: LayoutSpec) -> None:
         _need(not m.moe_first_dense_layers, "model.moe_first_dense_layers",
               "needs num_moe_experts", m.moe_first_dense_layers)
         return
+    _need(not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
+          "model.moe_router_enable_expert_bias",
+          "megatron-core supports the expert bias only with moe_router_score_function=sigmoid",
+          m.moe_router_score_function)
     _need(m.moe_router_topk <= m.num_moe_experts, "model.moe_router_topk",
           f"must be at most num_moe_experts={m.num_moe_experts}", m.moe_router_topk)
     _need(m.moe_first_dense_layers < m.num_layers, "model.moe_first_dense_layers",
@@ -83,6 +87,11 @@ def _check_world(spec: LayoutSpec) -> None:
               "needs nodes and gpus_per_node, or a devices list", None)
     _need(world_size(spec) <= MAX_WORLD, "world", f"at most {MAX_WORLD} devices",
           world_size(spec))
+    if w.devices is None:
+        last = w.first_node + (w.nodes or 0) - 1
+        _need(last < 10**6, "world.first_node", "node ids must stay below 1000000", last)
+        _need((w.gpus_per_node or 0) <= 10**4, "world.gpus_per_node", "at most 10000",
+              w.gpus_per_node)
 
 
 def _check_parallel(spec: LayoutSpec) -> None:
@@ -121,14 +130,29 @@ def _check_parallel(spec: LayoutSpec) -> None:
     _need(edp % p.num_distributed_optimizer_instances == 0,
           "parallel.num_distributed_optimizer_instances",
           f"must divide the expert data-parallel size {edp}", p.num_distributed_optimizer_instances)
-    _need(p.order.endswith("-pp") or edp == dp, "parallel.order",
+    _need(p.order.endswith("-pp") or p.pp == 1 or edp == dp, "parallel.order",
           f"an order not ending in pp needs expert DP == DP (here {edp} vs {dp})", p.order)
+    if not p.order.endswith("-pp") and p.pp > 1:
+        _check_same_pp_groups(spec, dp, edp)
     _need(not (m.add_bias_linear and etp != 1), "parallel.etp",
           "MoE with add_bias_linear needs etp=1 in megatron-core", etp)
     _need(not (p.ep == 1 and etp != tp and p.use_distributed_optimizer), "parallel.etp",
           "etp != tp with ep=1 puts different expert slices at the same dense-buffer offsets "
           "under the distributed optimizer, so megatron-core silently loses optimizer state; "
           "use ep>1 or etp=tp", etp)
+
+
+def _check_same_pp_groups(spec: LayoutSpec, dp: int, edp: int) -> None:
+    """megatron-core asserts that the dense and expert grids give the same pipeline groups."""
+    from .mesh import Mesh  # local: rules stay importable without the mesh for plain checks
+
+    p = spec.parallel
+    mesh = Mesh(p.order, tp=p.tp, cp=p.cp, dp=dp, pp=p.pp, ep=p.ep, etp=p.expert_tp, edp=edp)
+    for rank in range(mesh.world):
+        d, e = mesh.dense.group(rank, ("pp",)), mesh.expert.group(rank, ("pp",))
+        _need(d == e, "parallel.order", f"gives rank {rank} the pipeline group {list(d)} in the "
+              f"dense grid but {list(e)} in the expert grid; megatron-core requires them equal",
+              p.order)
 
 
 def _check_pipeline(spec: LayoutSpec) -> None:
@@ -152,6 +176,8 @@ def _check_pipeline(spec: LayoutSpec) -> None:
               f"first + last stage layers exceed num_layers={m.num_layers}", rest)
         _need(middle > 0 or rest == 0, "parallel.pp",
               f"{rest} layers are left for no middle stage", p.pp)
+        _need(middle == 0 or rest > 0, "parallel.pp",
+              f"{middle} middle stages are left with no layers", p.pp)
         if middle > 0:
             _need(rest % middle == 0, "parallel.pp",
                   f"the {rest} layers outside the first/last stage must split evenly over "

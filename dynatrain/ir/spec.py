@@ -25,7 +25,7 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """A GPT architecture in Megatron's argument names (local transformer spec)."""
 
-    num_layers: PositiveInt
+    num_layers: Annotated[StrictInt, Field(ge=1, le=10_000)]  # per-layer tables stay small
     hidden_size: PositiveInt
     num_attention_heads: PositiveInt
     ffn_hidden_size: PositiveInt | None = None  # default 4*hidden, as Megatron
@@ -40,7 +40,7 @@ class ModelConfig(_Strict):
     untie_embeddings_and_output_weights: StrictBool = False
     add_bias_linear: StrictBool = False
     qk_layernorm: StrictBool = False
-    num_moe_experts: PositiveInt | None = None
+    num_moe_experts: Annotated[StrictInt, Field(ge=1, le=16_384)] | None = None
     moe_ffn_hidden_size: PositiveInt | None = None
     moe_router_topk: PositiveInt = 2
     moe_shared_expert_intermediate_size: PositiveInt | None = None
@@ -48,6 +48,7 @@ class ModelConfig(_Strict):
     moe_layer_freq: PositiveInt | tuple[Annotated[StrictInt, Field(ge=0, le=1)], ...] = 1
     moe_first_dense_layers: NonNegInt = 0  # convenience: the first k layers are dense
     moe_router_enable_expert_bias: StrictBool = False
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
 
     @property
     def groups(self) -> int:

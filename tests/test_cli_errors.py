@@ -1,0 +1,172 @@
+"""Bad input to ``dynatrain layout`` exits 2 with one ``dynatrain: error:`` line and no traceback.
+
+Most cases run ``dynatrain.cli.main`` in-process; a few run the real ``python -m dynatrain.cli``
+in a subprocess, so what a user's terminal shows (stderr, exit status) is checked as is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynatrain.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+VALID = ROOT / "specs" / "llama3.1-8b" / "tp2-dp4.yaml"  # 8 ranks
+INVALID_SPEC = ("model: llama3.1-8b\nparallel: {tp: 3}\nworld: {nodes: 1, gpus_per_node: 8}\n")
+BOMB = "".join(f"m{i}: &m{i} {{<<: [*m{i - 1}, *m{i - 1}]}}\n" if i else "m0: &m0 {a: 1}\n"
+               for i in range(40)) + "model: *m39\n"
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``main(argv)`` in-process: (exit status, stdout, stderr); argparse's exits count too."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_process(args: list[str]) -> tuple[int, str, str]:
+    proc = subprocess.run([sys.executable, "-m", "dynatrain.cli", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def assert_one_error_line(code: int, out: str, err: str, fragment: str = "") -> str:
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err and "Traceback" not in out, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and err.endswith("\n"), repr(err)
+    assert lines[0].startswith("dynatrain: error: "), repr(err)
+    assert fragment in lines[0], repr(err)
+    return lines[0]
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Spec files of every kind of wrong, by name."""
+    made = {
+        "invalid-spec.yaml": INVALID_SPEC,
+        "not-yaml.yaml": "model: [llama3.1-8b\nworld: {nodes: 1,, gpus_per_node: 8\n",
+        "not-a-mapping.yaml": "- model\n- world\n",
+        "empty.yaml": "",
+        "unknown-field.yaml": "model: llama3.1-8b\nworld: {nodes: 1, gpus_per_node: 8}\ntp: 2\n",
+        "wrong-type.yaml": "model: llama3.1-8b\nworld: {nodes: one, gpus_per_node: 8}\n",
+        "python-tag.yaml": "!!python/object/apply:os.system ['echo hi']\n",
+        "merge-bomb.yaml": BOMB,
+        "a\nb.yaml": "[not yaml",  # a newline in the file name must not split the line
+    }
+    for name, text in made.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00model")
+    (tmp_path / "a-directory.yaml").mkdir()
+    return tmp_path
+
+
+CASES = [
+    ("missing.yaml", "cannot read the spec file"),
+    ("a-directory.yaml", "cannot read the spec file"),
+    ("binary.yaml", "not UTF-8"),
+    ("not-yaml.yaml", "not-yaml.yaml: is not valid YAML at line"),
+    ("not-a-mapping.yaml", "a spec must be a mapping"),
+    ("empty.yaml", "a spec must be a mapping"),
+    ("invalid-spec.yaml", "parallel.tp: must divide num_attention_heads=32 (got 3)"),
+    ("unknown-field.yaml", "tp: unknown field"),
+    ("wrong-type.yaml", "world.nodes: Input should be a valid integer"),
+    ("python-tag.yaml", "is not valid YAML"),
+    ("merge-bomb.yaml", "merge keys"),
+    ("a\nb.yaml", "'a\\nb.yaml': is not valid YAML"),
+]
+
+
+@pytest.mark.parametrize("name,fragment", CASES, ids=[c[0].replace("\n", "-nl-") for c in CASES])
+def test_bad_spec_in_process(files, capsys, name, fragment):
+    assert_one_error_line(*run_main(["layout", str(files / name)], capsys), fragment)
+
+
+@pytest.mark.parametrize("ranks,fragment", [
+    ("x", "--ranks: expected e.g. 0,3,8-15"),
+    ("", "--ranks"),
+    ("1,,2", "--ranks"),
+    ("-1", "--ranks"),
+    ("5-3", "ranks must lie in [0, 8)"),
+    ("0-8", "ranks must lie in [0, 8)"),
+    ("8", "ranks must lie in [0, 8)"),
+])
+def test_bad_ranks_in_process(capsys, ranks, fragment):
+    code, out, err = run_main(["layout", str(VALID), "--json", "-", f"--ranks={ranks}"], capsys)
+    assert_one_error_line(code, out, err, fragment)
+    assert out == ""
+
+
+@pytest.mark.parametrize("ranks", ["\u00b2", "9" * 5000])
+def test_odd_digit_ranks_in_process(capsys, ranks):
+    assert_one_error_line(*run_main(["layout", str(VALID), "--json", "-", f"--ranks={ranks}"],
+                                    capsys), "--ranks")
+
+
+def test_unwritable_json_in_process(tmp_path, capsys):
+    target = tmp_path / "no-such-dir" / "facts.json"
+    assert_one_error_line(*run_main(["layout", str(VALID), "--json", str(target)], capsys))
+
+
+@pytest.mark.parametrize("argv", [[], ["layout"], ["nonsense"], ["layout", str(VALID), "--bad"]])
+def test_bad_arguments_in_process(capsys, argv):
+    assert_one_error_line(*run_main(argv, capsys))
+
+
+def test_valid_spec_in_process(capsys):
+    code, out, err = run_main(["layout", str(VALID)], capsys)
+    assert code == 0 and err == ""
+    assert "world   8 ranks" in out
+
+
+def test_valid_spec_json_ranks_in_process(capsys):
+    code, out, err = run_main(["layout", str(VALID), "--json", "-", "--ranks", "0,3,6-7"], capsys)
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    assert doc["world"] == 8 and [r["rank"] for r in doc["ranks"]] == [0, 3, 6, 7]
+
+
+@pytest.mark.parametrize("name", ["specs/llama3.1-70b/tp4-pp4-vpp5-dp8.yaml",
+                                  "specs/mixtral-8x22b/tp4-pp4-ep8.yaml",
+                                  "specs/qwen3-30b-a3b/tp2-pp2-ep4.yaml"])
+def test_shipped_specs_in_process(capsys, name):
+    code, out, err = run_main(["layout", str(ROOT / name)], capsys)
+    assert code == 0 and err == "", err
+
+
+# ---- the real command, in a subprocess -------------------------------------------------------
+
+@pytest.mark.parametrize("name,fragment", [
+    ("missing.yaml", "cannot read the spec file"),
+    ("a-directory.yaml", "cannot read the spec file"),
+    ("not-yaml.yaml", "is not valid YAML"),
+    ("invalid-spec.yaml", "parallel.tp: must divide num_attention_heads=32 (got 3)"),
+    ("python-tag.yaml", "is not valid YAML"),
+])
+def test_bad_spec_subprocess(files, name, fragment):
+    assert_one_error_line(*run_process(["layout", str(files / name)]), fragment)
+
+
+def test_bad_ranks_subprocess():
+    code, out, err = run_process(["layout", str(VALID), "--json", "-", "--ranks", "3-1"])
+    assert_one_error_line(code, out, err, "--ranks")
+
+
+def test_valid_spec_subprocess():
+    code, out, err = run_process(["layout", str(VALID)])
+    assert code == 0, err
+    assert "Traceback" not in err and "world   8 ranks" in out
+
+
+def test_ranks_without_json_is_refused(capsys):
+    assert main(["layout", "specs/llama3.1-8b/tp2-dp4.yaml", "--ranks", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dynatrain: error: --ranks: only applies with --json"]

@@ -61,7 +61,7 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
     transfers = step("pick_sources", lambda: pick_sources(needs, src.devices, dst.devices, dtypes))
     messages = step("coalesce", lambda: coalesce(transfers, src.devices, dst.devices,
                                                  budget_bytes))
-    rounds = step("rounds", lambda: schedule_rounds(messages, budget_bytes))
+    rounds = step("rounds", lambda: schedule_rounds(messages, budget_bytes, topology))
     plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,
                 tuple(rounds), budget_bytes)
     lower_bytes = sum(0 if any(src.devices[h.rank] == dst.devices[n.dst.rank]

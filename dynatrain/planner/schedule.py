@@ -2,8 +2,9 @@
 
 Staging model: a remote message is packed into a contiguous buffer on the sender and received
 into one on the receiver, so it costs its size on both devices for its round; local copies go
-slot to slot and stage nothing. Messages larger than the budget are split at transfer boundaries,
-and single transfers larger than the budget are cut into slabs of their box.
+slot to slot and stage nothing. A device's budget is split evenly between sending and receiving;
+messages larger than half the budget are split at transfer boundaries, and single transfers
+larger than that are cut into slabs of their box.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from dataclasses import replace
 
 from ..ir.box import Box
 from .intersect import PlanError
+from .cost import Topology
 from .plan import Message, Round, Transfer
+from .sources import node_of
 
 
 def _split_transfer(t: Transfer, budget: int) -> list[Transfer]:
@@ -55,7 +58,8 @@ def _prod(xs: tuple[int, ...]) -> int:
 
 def coalesce(transfers: list[Transfer], src_devices: tuple[str, ...],
              dst_devices: tuple[str, ...], budget: int) -> list[Message]:
-    """Group transfers per (source device, destination device), splitting to fit the budget."""
+    """Group transfers per (source device, destination device), splitting each message to half
+    the budget (a device's budget is shared by what it sends and what it receives)."""
     by_pair: dict[tuple[str, str], list[Transfer]] = defaultdict(list)
     for t in transfers:
         by_pair[(src_devices[t.src_rank], dst_devices[t.dst_rank])].append(t)
@@ -68,8 +72,8 @@ def coalesce(transfers: list[Transfer], src_devices: tuple[str, ...],
         chunk: list[Transfer] = []
         size = 0
         for t in ts:
-            for part in _split_transfer(t, budget):
-                if chunk and size + part.nbytes > budget:
+            for part in _split_transfer(t, budget // 2):
+                if chunk and size + part.nbytes > budget // 2:
                     messages.append(Message(s, d, tuple(chunk)))
                     chunk, size = [], 0
                 chunk.append(part)
@@ -79,25 +83,56 @@ def coalesce(transfers: list[Transfer], src_devices: tuple[str, ...],
     return messages
 
 
-def schedule_rounds(messages: list[Message], budget: int) -> list[Round]:
-    """First-fit decreasing: each message goes to the first round where both ends have room."""
+def schedule_rounds(messages: list[Message], budget: int, topo: Topology | None = None
+                    ) -> list[Round]:
+    """Pack remote messages into as few, as evenly loaded rounds as the budget allows.
+
+    Each device's budget is split evenly between what it sends and what it receives in a
+    round: links run both directions at once, so a round that fills only one direction wastes
+    half of it. The busiest direction of the busiest device sets the minimum number of rounds,
+    opened up front. Messages go largest first to the round where the slower of their two
+    endpoints would finish earliest (link bytes over link speed), among rounds with room; a new
+    round opens only when none has. Spreading each device's traffic evenly over the rounds keeps
+    the sum of round times near the whole plan's lower bound.
+    """
+    topo = topo or Topology()
+    intra, inter = topo.intra_node_GBps * 1e9, topo.inter_node_GBps * 1e9
     local = [m for m in messages if m.local]
     remote = sorted((m for m in messages if not m.local),
                     key=lambda m: (-m.nbytes, m.src_device, m.dst_device))
-    rounds: list[list[Message]] = []
-    used: list[dict[str, int]] = []
+    half = budget // 2
+    staged: dict[tuple[str, str], int] = defaultdict(int)
+    for m in remote:
+        staged[(m.src_device, "out")] += m.nbytes
+        staged[(m.dst_device, "in")] += m.nbytes
+    n_min = max((-(-v // half) for v in staged.values()), default=0)
+    rounds: list[list[Message]] = [[] for _ in range(n_min)]
+    used: list[dict[tuple[str, str], int]] = [defaultdict(int) for _ in range(n_min)]
+    busy: list[dict[tuple[str, str], float]] = [defaultdict(float) for _ in range(n_min)]
     for m in remote:
         size = m.nbytes
+        same_node = node_of(m.src_device) == node_of(m.dst_device)
+        link, bw = ("intra", intra) if same_node else ("inter", inter)
+        t = size / bw
+        out_key, in_key = (m.src_device, link + "_out"), (m.dst_device, link + "_in")
+        best, best_score = -1, 0.0
         for i, u in enumerate(used):
-            if u.get(m.src_device, 0) + size <= budget and u.get(m.dst_device, 0) + size <= budget:
-                break
-        else:
+            if u[(m.src_device, "out")] + size > half or u[(m.dst_device, "in")] + size > half:
+                continue
+            score = max(busy[i][out_key], busy[i][in_key]) + t
+            if best < 0 or score < best_score:
+                best, best_score = i, score
+        if best < 0:
             rounds.append([])
-            used.append({})
-            i = len(rounds) - 1
-        rounds[i].append(m)
-        used[i][m.src_device] = used[i].get(m.src_device, 0) + size
-        used[i][m.dst_device] = used[i].get(m.dst_device, 0) + size
+            used.append(defaultdict(int))
+            busy.append(defaultdict(float))
+            best = len(rounds) - 1
+        rounds[best].append(m)
+        used[best][(m.src_device, "out")] += size
+        used[best][(m.dst_device, "in")] += size
+        busy[best][out_key] += t
+        busy[best][in_key] += t
+    rounds = [r for r in rounds if r]
     if not rounds:
         rounds.append([])
     rounds[0][:0] = local  # local copies run in the first round, beside the exchanges

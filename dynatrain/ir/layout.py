@@ -8,6 +8,7 @@ computed once per (pp, tp, ep, etp) and cached: thousands of ranks stay cheap.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -123,7 +124,7 @@ class Layout:
                 size = p.bucket_size or max(40_000_000, 1_000_000 * self.dp)
             for expert in (False, True):
                 members = tuple(
-                    (s.param.name, _numel(s.local_shape), s.param.shared_embedding)
+                    (s.param.name, math.prod(s.local_shape), s.param.shared_embedding)
                     for s in cs.shards if self.expert_in_own_buffer(s.param) == expert
                 )
                 if not members:
@@ -147,9 +148,3 @@ class Layout:
         return tuple((b, owned_ranges(b, self.optimizer_rank(rank, b.is_expert)))
                      for b in self.rank_buffers(rank))
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

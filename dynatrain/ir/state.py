@@ -133,15 +133,20 @@ class StateView:
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
+        self._tensors: dict[tuple[str, str], LogicalTensor] | None = None
         st = layout.spec.state
         self.kinds: dict[str, str] = {"param": st.param}
         for k in OPTIMIZER_KINDS:
             if getattr(st, k) is not None:
                 self.kinds[k] = getattr(st, k)
 
-    @lru_cache(maxsize=1)
     def tensors(self) -> dict[tuple[str, str], LogicalTensor]:
-        """Every logical tensor, keyed by (key, kind)."""
+        """Every logical tensor, keyed by (key, kind) (computed once per view)."""
+        if self._tensors is None:
+            self._tensors = self._collect_tensors()
+        return self._tensors
+
+    def _collect_tensors(self) -> dict[tuple[str, str], LogicalTensor]:
         L, out = self.layout, {}
         V = L.model.vocab_size
         for pp in range(L.parallel.pp):

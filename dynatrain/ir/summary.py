@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from .layout import DTYPE_BYTES, Layout
-from .state import OPTIMIZER_KINDS, StateView
+from .state import StateView
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,3 @@ def largest_tensors(layout: Layout, n: int = 5) -> list[tuple[str, tuple[int, ..
 def logical_parameter_count(layout: Layout) -> int:
     return sum(t.numel for (k, kind), t in StateView(layout).tensors().items() if kind == "param")
 
-
-__all__ = ["KindBytes", "bytes_by_kind", "largest_tensors", "logical_parameter_count",
-           "rank_elements", "OPTIMIZER_KINDS"]

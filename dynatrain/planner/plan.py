@@ -74,11 +74,6 @@ class Plan:
     budget_bytes: int
     stats: dict = field(default_factory=dict, compare=False, hash=False)
 
-    def transfers(self):
-        for rnd in self.rounds:
-            for msg in rnd.messages:
-                yield from msg.transfers
-
     def messages(self):
         for rnd in self.rounds:
             yield from rnd.messages

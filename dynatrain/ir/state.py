@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .box import Box
-from .buffers import owned_ranges
+from .buffers import BufferLayout, owned_ranges
 from .layout import Layout
 from .shard import Shard, logical_box
 
@@ -82,6 +82,21 @@ class Region:
     primary: bool = True  # False for the last stage's copy of a tied embedding
 
 
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A box of tensor ``key`` held in one slot for several state kinds at once.
+
+    The optimizer kinds (and, without the distributed optimizer, the param too) share boxes and
+    slot coordinates, each in its own storage: one ``Stored`` stands for all of them.
+    """
+
+    key: str
+    kinds: tuple[str, ...]
+    box: Box
+    slot: Slot
+    primary: bool = True
+
+
 def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Cover the row-major flat range [a, b) of ``shape`` with boxes that are each contiguous.
 
@@ -112,6 +127,13 @@ def local_to_global(sh: Shard, lo: tuple[int, ...], size: tuple[int, ...],
                     vocab: int) -> list[tuple[tuple[int, ...], Box]]:
     """Map a local box of a shard to (local offset, logical global box) parts."""
     npre = len(sh.param.prepend)
+    if size == sh.local_shape and not any(lo):  # the whole shard: its pieces as they are
+        out = []
+        for piece in sh.pieces:
+            box = logical_box(sh.param, piece.box, vocab)
+            if box is not None:
+                out.append((piece.local_offset, box))
+        return out
     out = []
     for piece in sh.pieces:
         psize = piece.box.shape[npre:]
@@ -134,6 +156,7 @@ class StateView:
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
         self._tensors: dict[tuple[str, str], LogicalTensor] | None = None
+        self._buffer_cache: dict[tuple[int, ...], tuple[Stored, ...]] = {}
         st = layout.spec.state
         self.kinds: dict[str, str] = {"param": st.param}
         for k in OPTIMIZER_KINDS:
@@ -153,6 +176,8 @@ class StateView:
             for ep in range(L.parallel.ep):
                 for cs in L._shards(pp, 0, ep, 0):
                     for sh in cs.shards:
+                        if (sh.param.key, "param") in out:  # stacked keys repeat per layer
+                            continue
                         shape = list(sh.global_shape)
                         if sh.param.split is not None and sh.param.split.vocab:
                             shape[len(sh.param.prepend) + sh.param.split.dim] = V
@@ -167,65 +192,96 @@ class StateView:
         return out
 
     def regions(self, rank: int) -> tuple[Region, ...]:
-        """Everything ``rank`` holds, as regions of logical tensors.
+        """Everything ``rank`` holds, as regions of logical tensors (one per state kind)."""
+        return tuple(Region(s.key, k, s.box, s.slot, s.primary)
+                     for s in self.stored(rank) for k in s.kinds)
 
-        Ranks that differ only in their data-parallel coordinate share the parameter regions,
-        and their optimizer shards depend on one index more, so both parts are cached.
+    def stored(self, rank: int) -> tuple[Stored, ...]:
+        """Everything ``rank`` holds, kinds that share a box and slot grouped.
+
+        The module parameters depend only on the rank's model-parallel class and the
+        optimizer shards on one index more, so both parts are cached and shared by ranks.
         """
+        return self.param_part(rank) + self.shard_part(rank)
+
+    def param_part(self, rank: int) -> tuple[Stored, ...]:
+        """What ``rank`` holds in module parameters and buffers (shared by its DP replicas)."""
+        c = self.layout.coords(rank)
+        return self._param_stored((c.pp, c.tp, c.ep, c.etp))
+
+    def shard_part(self, rank: int) -> tuple[Stored, ...]:
+        """What ``rank``'s DistributedOptimizer holds (empty without one)."""
         L, c = self.layout, self.layout.coords(rank)
-        model = (c.pp, c.tp, c.ep, c.etp)
-        out = self._param_regions(model)
-        if L.parallel.use_distributed_optimizer and len(self.kinds) > 1:
-            out = out + self._shard_regions(model, L.optimizer_rank(rank, False),
-                                            L.optimizer_rank(rank, True))
-        return out
+        if not (L.parallel.use_distributed_optimizer and len(self.kinds) > 1):
+            return ()
+        return self._shard_stored((c.pp, c.tp, c.ep, c.etp), L.optimizer_rank(rank, False),
+                                  L.optimizer_rank(rank, True))
 
     @lru_cache(maxsize=4096)
-    def _param_regions(self, model: tuple[int, int, int, int]) -> tuple[Region, ...]:
+    def _param_stored(self, model: tuple[int, int, int, int]) -> tuple[Stored, ...]:
         L = self.layout
         V = L.model.vocab_size
-        out: list[Region] = []
-        opt_kinds = [k for k in self.kinds if k != "param"]
-        dist = L.parallel.use_distributed_optimizer
+        out: list[Stored] = []
+        opt_kinds = tuple(k for k in self.kinds if k != "param")
+        kinds = ("param",) if L.parallel.use_distributed_optimizer else ("param", *opt_kinds)
         for cs in L._shards(*model):
             vp = cs.chunk.vp
             for sh in cs.shards:
                 primary = not sh.param.tied_copy
                 for lo, box in local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, V):
-                    for kind in (["param"] if dist else ["param", *opt_kinds]):
-                        out.append(Region(sh.param.key, kind, box,
-                                          ParamSlot(vp, sh.param.name, lo), primary))
+                    out.append(Stored(sh.param.key, kinds, box, ParamSlot(vp, sh.param.name, lo),
+                                      primary))
             for b in cs.buffers:
                 pre = tuple(i for i, _ in b.prepend)
                 box = Box.of(pre + (0,) * len(b.shape), (1,) * len(pre) + b.shape)
-                out.append(Region(b.key, "buffer", box, BufferSlot(vp, b.name)))
+                out.append(Stored(b.key, ("buffer",), box, BufferSlot(vp, b.name)))
         if opt_kinds:
-            out.append(Region("optimizer.step", "step", Box((), ()), BufferSlot(-1, "step")))
+            out.append(Stored("optimizer.step", ("step",), Box((), ()), BufferSlot(-1, "step")))
         return tuple(out)
 
     @lru_cache(maxsize=1 << 14)
-    def _shard_regions(self, model: tuple[int, int, int, int], dense_rank: int,
-                       expert_rank: int) -> tuple[Region, ...]:
-        """Regions of the DistributedOptimizer's shards for one optimizer rank."""
+    def _shard_stored(self, model: tuple[int, int, int, int], dense_rank: int,
+                      expert_rank: int) -> tuple[Stored, ...]:
+        """The DistributedOptimizer's shards of one rank, buffer by buffer (each cached)."""
+        L = self.layout
+        out: tuple[Stored, ...] = ()
+        for bi, buf in enumerate(L._buffers(*model)):
+            out += self._buffer_stored(model, bi, buf, expert_rank if buf.is_expert
+                                       else dense_rank)
+        return out
+
+    def _buffer_stored(self, model: tuple[int, int, int, int], bi: int, buf: BufferLayout,
+                       opt_rank: int) -> tuple[Stored, ...]:
+        # A buffer's contents depend on fewer coordinates than the rank's class: the dense
+        # buffer on (pp, tp) once experts have their own, the expert buffer on (pp, ep, etp).
+        pp, tp, ep, etp = model
+        if buf.is_expert:
+            key = (pp, bi, -1, ep, etp, opt_rank)
+        elif self.layout.parallel.ep > 1:
+            key = (pp, bi, tp, -1, -1, opt_rank)
+        else:
+            key = (pp, bi, tp, ep, etp, opt_rank)
+        hit = self._buffer_cache.get(key)
+        if hit is None:
+            hit = self._buffer_cache[key] = self._compute_buffer_stored(model, bi, buf, opt_rank)
+        return hit
+
+    def _compute_buffer_stored(self, model: tuple[int, int, int, int], bi: int,
+                               buf: BufferLayout, opt_rank: int) -> tuple[Stored, ...]:
         L = self.layout
         V = L.model.vocab_size
-        opt_kinds = [k for k in self.kinds if k != "param"]
-        shards = L._shards(*model)
-        by_name = {(cs.chunk.vp, sh.param.name): sh for cs in shards for sh in cs.shards}
-        out: list[Region] = []
-        for bi, buf in enumerate(L._buffers(*model)):
-            owned = owned_ranges(buf, expert_rank if buf.is_expert else dense_rank)
-            for o in owned:
-                sh = by_name[(buf.chunk, o.name)]
-                for lo, size in flat_boxes(sh.local_shape, *o.param):
-                    start = _flat_index(sh.local_shape, lo) - o.param[0]
-                    for plo, box in local_to_global(sh, lo, size, V):
-                        off = start + _flat_index(sh.local_shape, plo) - _flat_index(
-                            sh.local_shape, lo)
-                        for kind in opt_kinds:
-                            out.append(Region(sh.param.key, kind, box,
-                                              FlatSlot(buf.chunk, bi, o.name, off),
-                                              not sh.param.tied_copy))
+        opt_kinds = tuple(k for k in self.kinds if k != "param")
+        by_name = {sh.param.name: sh for cs in L._shards(*model) if cs.chunk.vp == buf.chunk
+                   for sh in cs.shards}
+        out: list[Stored] = []
+        for o in owned_ranges(buf, opt_rank):
+            sh = by_name[o.name]
+            for lo, size in flat_boxes(sh.local_shape, *o.param):
+                start = _flat_index(sh.local_shape, lo) - o.param[0]
+                for plo, box in local_to_global(sh, lo, size, V):
+                    off = start + _flat_index(sh.local_shape, plo) - _flat_index(sh.local_shape, lo)
+                    out.append(Stored(sh.param.key, opt_kinds, box,
+                                      FlatSlot(buf.chunk, bi, o.name, off), not sh.param.tied_copy))
         return tuple(out)
 
 

@@ -1,9 +1,12 @@
 """Intersect: every box a destination rank must hold, cut by the boxes the source layout holds.
 
-Source regions are indexed per (tensor key, kind group); identical boxes held by several ranks
-(DP replicas, TP-replicated norms) collapse into one entry with all their holders. A destination
-region is then cut into parts, each inside exactly one source box, with every rank holding it.
-Kinds that share boxes and slots (main_param, exp_avg, exp_avg_sq) travel together.
+Source boxes are indexed per (tensor key, kinds held together); identical boxes held by several
+ranks (DP replicas, TP-replicated norms) collapse into one entry listing every holder. A
+destination box is then cut into parts, each inside exactly one source box.
+
+Ranks of the same class hold the same things (``StateView.param_part``/``shard_part`` return the
+same cached tuple), so the work is done once per distinct part, not once per rank: the result
+maps each destination rank to the answers of its parts, shared between ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from ..ir.box import Box
 from ..ir.errors import DynatrainError
-from ..ir.state import Region, Slot, StateView
+from ..ir.state import Slot, StateView, Stored
 
 
 class PlanError(DynatrainError):
@@ -23,40 +26,54 @@ class PlanError(DynatrainError):
 
 
 @dataclass(frozen=True, slots=True)
-class Holder:
-    rank: int
+class Holders:
+    """Source ranks that hold one box in the same slot (ranks of one class)."""
+
+    ranks: tuple[int, ...]
     slot: Slot
     anchor: Box  # the box stored in ``slot``
 
 
-@dataclass(frozen=True, slots=True)
-class Need:
-    """A part of a destination region and every source holder of it."""
+Part = tuple[Box, tuple[Holders, ...]]  # a piece of a destination box and who holds it
 
-    key: str
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One destination entry (box, slot) for ``kinds``, cut into parts held by the source."""
+
+    entry: Stored
     kinds: tuple[str, ...]
-    box: Box
-    dst: Holder
-    holders: tuple[Holder, ...]
+    parts: tuple[Part, ...]
+
+
+@dataclass(frozen=True)
+class Intersection:
+    """Per destination rank, the answers for everything it must hold (tuples shared by class)."""
+
+    per_rank: tuple[tuple[tuple[Answer, ...], ...], ...]
+
+    def answers(self, rank: int):
+        for group in self.per_rank[rank]:
+            yield from group
 
 
 class _Sorted:
     """Boxes sorted along one dim for range queries (``reach``: their largest extent there)."""
 
-    def __init__(self, entries: list[tuple[Box, tuple[Holder, ...]]], dim: int) -> None:
-        entries.sort(key=lambda e: e[0])
+    def __init__(self, entries: list[tuple[Box, tuple[Holders, ...]]], dim: int) -> None:
+        entries.sort(key=lambda e: (e[0].lo, e[0].hi))
         self.dim = dim
         self.entries = entries
         self.los = [b.lo[dim] for b, _ in entries]
         self.reach = max((b.hi[dim] - b.lo[dim] for b, _ in entries), default=1)
 
-    def query(self, box: Box) -> list[tuple[Box, tuple[Holder, ...]]]:
+    def query(self, box: Box) -> list[Part]:
         d = self.dim
         i = bisect.bisect_right(self.los, box.lo[d] - self.reach)
         j = bisect.bisect_left(self.los, box.hi[d])
         out = []
         for b, holders in self.entries[i:j]:
-            part = box & b
+            part = box if b == box else box & b
             if part is not None:
                 out.append((part, holders))
         return out
@@ -70,80 +87,95 @@ class _Index:
     looks at boxes of the same layer and expert.
     """
 
-    def __init__(self, entries: dict[Box, list[Holder]]) -> None:
+    def __init__(self, entries: dict[Box, list[Holders]]) -> None:
         boxes = list(entries)
         ndim = len(boxes[0].lo) if boxes else 0
         k = 0
         while k < ndim - 1 and all(b.hi[k] - b.lo[k] == 1 for b in boxes):
             k += 1
         self.k = k
-        groups: dict[tuple[int, ...], list[tuple[Box, tuple[Holder, ...]]]] = defaultdict(list)
+        groups: dict[tuple[int, ...], list[tuple[Box, tuple[Holders, ...]]]] = defaultdict(list)
         for b, h in entries.items():
             groups[b.lo[:k]].append((b, tuple(h)))
         self.groups = {g: _Sorted(v, k) for g, v in groups.items()} if ndim else {}
         self.scalar = [(b, tuple(h)) for b, h in entries.items()] if not ndim else []
 
-    def query(self, box: Box) -> list[tuple[Box, tuple[Holder, ...]]]:
+    def query(self, box: Box) -> list[Part]:
         if not box.lo:
             return self.scalar[:1] and [(box, self.scalar[0][1])]
+        k = self.k
+        if all(h - l == 1 for l, h in zip(box.lo[:k], box.hi[:k])):
+            idx = self.groups.get(box.lo[:k])
+            return idx.query(box) if idx is not None else []
         out = []
-        for head in itertools.product(*(range(l, h) for l, h in zip(box.lo[:self.k],
-                                                                     box.hi[:self.k]))):
+        for head in itertools.product(*(range(l, h) for l, h in zip(box.lo[:k], box.hi[:k]))):
             idx = self.groups.get(head)
             if idx is None:
                 continue
-            sub = Box(head + box.lo[self.k:], tuple(x + 1 for x in head) + box.hi[self.k:])
+            sub = Box(head + box.lo[k:], tuple(x + 1 for x in head) + box.hi[k:])
             out.extend(idx.query(sub))
         return out
 
 
-def _group_kinds(regions: list[Region]) -> dict[tuple, list[str]]:
-    """(key, box, slot, primary) -> kinds stored there."""
-    grouped: dict[tuple, list[str]] = defaultdict(list)
-    for r in regions:
-        grouped[(r.key, r.box, r.slot, r.primary)].append(r.kind)
-    return grouped
+def _parts_by_rank(view: StateView) -> dict[int, tuple[tuple[Stored, ...], list[int]]]:
+    """Distinct cached parts of a view (by identity) and the ranks that hold each."""
+    parts: dict[int, tuple[tuple[Stored, ...], list[int]]] = {}
+    for rank in range(view.layout.world):
+        for part in (view.param_part(rank), view.shard_part(rank)):
+            if part:
+                parts.setdefault(id(part), (part, []))[1].append(rank)
+    return parts
 
 
 def build_index(view: StateView) -> dict[tuple[str, tuple[str, ...]], _Index]:
     """Source index: (key, kinds held together) -> distinct boxes with their holders."""
-    entries: dict[tuple[str, tuple[str, ...]], dict[Box, list[Holder]]] = defaultdict(
+    entries: dict[tuple[str, tuple[str, ...]], dict[Box, list[Holders]]] = defaultdict(
         lambda: defaultdict(list))
-    for rank in range(view.layout.world):
-        for (key, box, slot, primary), kinds in _group_kinds(view.regions(rank)).items():
-            if primary:  # a tied copy duplicates the first stage's data under other bounds
-                entries[(key, tuple(kinds))][box].append(Holder(rank, slot, box))
+    for part, ranks in _parts_by_rank(view).values():
+        holders_ranks = tuple(ranks)
+        for s in part:
+            if s.primary:  # a tied copy duplicates the first stage's data under other bounds
+                entries[(s.key, s.kinds)][s.box].append(Holders(holders_ranks, s.slot, s.box))
     return {k: _Index(v) for k, v in entries.items()}
 
 
-def intersect(src: StateView, dst: StateView) -> list[Need]:
-    """Cut every destination region by the source boxes; raise if anything is not covered."""
+def intersect(src: StateView, dst: StateView) -> Intersection:
+    """Cut every destination box by the source boxes; raise if anything is not covered."""
     index = build_index(src)
     group_of: dict[tuple[str, str], tuple[str, ...]] = {}
     for key, kinds in index:
         for k in kinds:
             group_of[(key, k)] = kinds
-    needs: list[Need] = []
-    answers: dict[tuple, list[tuple[Box, tuple[Holder, ...]]]] = {}
+    # Keyed by identity; the value keeps the part alive so its id cannot be reused.
+    answered: dict[int, tuple[tuple[Stored, ...], tuple[Answer, ...]]] = {}
+    per_rank = []
     for rank in range(dst.layout.world):
-        for (key, box, slot, _), kinds in _group_kinds(dst.regions(rank)).items():
-            by_group: dict[tuple[str, ...], list[str]] = defaultdict(list)
-            for k in kinds:
-                g = group_of.get((key, k))
-                if g is None:
-                    raise PlanError(f"{key} [{k}]: the destination needs state the source "
-                                    "layout does not have")
-                by_group[g].append(k)
-            for g, sub in by_group.items():
-                # DP replicas ask for the same box: answer each distinct question once.
-                q = (key, g, box)
-                parts = answers.get(q)
-                if parts is None:
-                    parts = answers[q] = index[(key, g)].query(box)
-                covered = sum(p.numel for p, _ in parts)
-                if covered != box.numel:
-                    raise PlanError(f"{key} {box} [{','.join(sub)}] on rank {rank}: the source "
-                                    f"layout holds {covered} of its {box.numel} elements")
-                dst_holder = Holder(rank, slot, box)
-                needs.extend(Need(key, tuple(sub), p, dst_holder, h) for p, h in parts)
-    return needs
+        groups = []
+        for part in (dst.param_part(rank), dst.shard_part(rank)):
+            got = answered.get(id(part))
+            if got is None:
+                got = answered[id(part)] = (part, _answer(part, index, group_of, rank))
+            groups.append(got[1])
+        per_rank.append(tuple(groups))
+    return Intersection(tuple(per_rank))
+
+
+def _answer(part: tuple[Stored, ...], index: dict[tuple[str, tuple[str, ...]], _Index],
+            group_of: dict[tuple[str, str], tuple[str, ...]], rank: int) -> tuple[Answer, ...]:
+    out = []
+    for s in part:
+        by_group: dict[tuple[str, ...], list[str]] = defaultdict(list)
+        for k in s.kinds:
+            g = group_of.get((s.key, k))
+            if g is None:
+                raise PlanError(f"{s.key} [{k}]: the destination needs state the source "
+                                "layout does not have")
+            by_group[g].append(k)
+        for g, sub in by_group.items():
+            parts = index[(s.key, g)].query(s.box)
+            covered = sum(p.numel for p, _ in parts)
+            if covered != s.box.numel:
+                raise PlanError(f"{s.key} {s.box} [{','.join(sub)}] on rank {rank}: the source "
+                                f"layout holds {covered} of its {s.box.numel} elements")
+            out.append(Answer(s, tuple(sub), tuple(parts)))
+    return tuple(out)

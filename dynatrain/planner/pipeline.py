@@ -57,16 +57,14 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
             trace(name, out, time.perf_counter() - t)
         return out
 
-    needs = step("intersect", lambda: intersect(sv, dv))
-    transfers = step("pick_sources", lambda: pick_sources(needs, src.devices, dst.devices, dtypes))
+    inter = step("intersect", lambda: intersect(sv, dv))
+    transfers, lower_bytes = step("pick_sources", lambda: pick_sources(inter, src.devices,
+                                                                       dst.devices, dtypes))
     messages = step("coalesce", lambda: coalesce(transfers, src.devices, dst.devices,
                                                  budget_bytes))
     rounds = step("rounds", lambda: schedule_rounds(messages, budget_bytes, topology))
     plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,
                 tuple(rounds), budget_bytes)
-    lower_bytes = sum(0 if any(src.devices[h.rank] == dst.devices[n.dst.rank]
-                               for h in n.holders) else t.nbytes
-                      for n, t in zip(needs, transfers))
     moved = sum(m.nbytes for m in plan.messages() if not m.local)
     peaks = [max(peak_staging(r).values(), default=0) for r in rounds]
     plan.stats.update(

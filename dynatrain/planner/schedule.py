@@ -10,7 +10,6 @@ larger than that are cut into slabs of their box.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 
 from ..ir.box import Box
 from .intersect import PlanError
@@ -36,14 +35,14 @@ def _split_transfer(t: Transfer, budget: int) -> list[Transfer]:
             for lo in range(box.lo[d], box.hi[d], step):
                 hi = min(lo + step, box.hi[d])
                 sub = Box(box.lo[:d] + (lo,) + box.lo[d + 1:], box.hi[:d] + (hi,) + box.hi[d + 1:])
-                out.extend(_split_transfer(replace(t, box=sub, nbytes=sub.numel * per_elem),
+                out.extend(_split_transfer(t._replace(box=sub, nbytes=sub.numel * per_elem),
                                            budget))
             return out
         if size > 1:  # one slab along d is too big: split each index of d separately
             out = []
             for i in range(box.lo[d], box.hi[d]):
                 sub = Box(box.lo[:d] + (i,) + box.lo[d + 1:], box.hi[:d] + (i + 1,) + box.hi[d + 1:])
-                out.extend(_split_transfer(replace(t, box=sub, nbytes=sub.numel * per_elem),
+                out.extend(_split_transfer(t._replace(box=sub, nbytes=sub.numel * per_elem),
                                            budget))
             return out
     raise PlanError(f"cannot split {t} under a budget of {budget} bytes")
@@ -64,8 +63,7 @@ def coalesce(transfers: list[Transfer], src_devices: tuple[str, ...],
     for t in transfers:
         by_pair[(src_devices[t.src_rank], dst_devices[t.dst_rank])].append(t)
     messages = []
-    for (s, d), ts in sorted(by_pair.items()):
-        ts.sort()
+    for (s, d), ts in sorted(by_pair.items()):  # transfers keep the planner's order
         if s == d:  # local copies need no staging: one message
             messages.append(Message(s, d, tuple(ts)))
             continue
@@ -89,54 +87,73 @@ def schedule_rounds(messages: list[Message], budget: int, topo: Topology | None 
 
     Each device's budget is split evenly between what it sends and what it receives in a
     round: links run both directions at once, so a round that fills only one direction wastes
-    half of it. The busiest direction of the busiest device sets the minimum number of rounds,
-    opened up front. Messages go largest first to the round where the slower of their two
-    endpoints would finish earliest (link bytes over link speed), among rounds with room; a new
-    round opens only when none has. Spreading each device's traffic evenly over the rounds keeps
-    the sum of round times near the whole plan's lower bound.
+    half of it. The busiest direction of the busiest device sets the minimum number of rounds.
+    Messages go largest first to the round where the slower of their two endpoints would finish
+    earliest (link bytes over link speed), among rounds with room. If some message fits in no
+    round, packing starts over with one more round open from the start: spreading every
+    device's traffic evenly over all rounds keeps the sum of round times near the plan's lower
+    bound, where rounds opened late for leftovers would each cost a full round.
     """
     topo = topo or Topology()
-    intra, inter = topo.intra_node_GBps * 1e9, topo.inter_node_GBps * 1e9
     local = [m for m in messages if m.local]
     remote = sorted((m for m in messages if not m.local),
                     key=lambda m: (-m.nbytes, m.src_device, m.dst_device))
     half = budget // 2
-    staged: dict[tuple[str, str], int] = defaultdict(int)
+    devices = sorted({m.src_device for m in remote} | {m.dst_device for m in remote})
+    dev_id = {d: i for i, d in enumerate(devices)}
+    intra, inter = 1.0 / (topo.intra_node_GBps * 1e9), 1.0 / (topo.inter_node_GBps * 1e9)
+    # Per message: sender, receiver, size, and the link counters it loads (4 per device:
+    # intra out, intra in, inter out, inter in) with its seconds on them.
+    jobs = []
+    total_out = [0] * len(devices)
+    total_in = [0] * len(devices)
     for m in remote:
-        staged[(m.src_device, "out")] += m.nbytes
-        staged[(m.dst_device, "in")] += m.nbytes
-    n_min = max((-(-v // half) for v in staged.values()), default=0)
-    rounds: list[list[Message]] = [[] for _ in range(n_min)]
-    used: list[dict[tuple[str, str], int]] = [defaultdict(int) for _ in range(n_min)]
-    busy: list[dict[tuple[str, str], float]] = [defaultdict(float) for _ in range(n_min)]
-    for m in remote:
-        size = m.nbytes
-        same_node = node_of(m.src_device) == node_of(m.dst_device)
-        link, bw = ("intra", intra) if same_node else ("inter", inter)
-        t = size / bw
-        out_key, in_key = (m.src_device, link + "_out"), (m.dst_device, link + "_in")
-        best, best_score = -1, 0.0
-        for i, u in enumerate(used):
-            if u[(m.src_device, "out")] + size > half or u[(m.dst_device, "in")] + size > half:
+        s, d = dev_id[m.src_device], dev_id[m.dst_device]
+        same = node_of(m.src_device) == node_of(m.dst_device)
+        link = 0 if same else 2
+        jobs.append((s, d, m.nbytes, 4 * s + link, 4 * d + link + 1,
+                     m.nbytes * (intra if same else inter)))
+        total_out[s] += m.nbytes
+        total_in[d] += m.nbytes
+    n = max((-(-v // half) for v in total_out + total_in), default=0)
+    while True:
+        placed = _pack(jobs, n, half, len(devices))
+        if placed is not None:
+            break
+        n += 1
+    rounds: list[list[Message]] = [[] for _ in range(n)]
+    for m, i in zip(remote, placed):
+        rounds[i].append(m)
+    rounds = [r for r in rounds if r] or [[]]
+    rounds[0][:0] = local  # local copies run in the first round, beside the exchanges
+    return [Round(tuple(sorted(r, key=lambda m: (m.src_device, m.dst_device)))) for r in rounds]
+
+
+def _pack(jobs: list[tuple[int, int, int, int, int, float]], n: int, half: int,
+          ndev: int) -> list[int] | None:
+    """Round of each job with ``n`` rounds, or None if some job fits in none."""
+    out_used = [[0] * ndev for _ in range(n)]
+    in_used = [[0] * ndev for _ in range(n)]
+    busy = [[0.0] * (4 * ndev) for _ in range(n)]
+    placed = []
+    for s, d, size, ko, ki, t in jobs:
+        best, best_score = -1, (0.0, 0)
+        for i in range(n):
+            if out_used[i][s] + size > half or in_used[i][d] + size > half:
                 continue
-            score = max(busy[i][out_key], busy[i][in_key]) + t
+            b = busy[i]
+            finish = (b[ko] if b[ko] > b[ki] else b[ki]) + t
+            score = (finish, i)
             if best < 0 or score < best_score:
                 best, best_score = i, score
         if best < 0:
-            rounds.append([])
-            used.append(defaultdict(int))
-            busy.append(defaultdict(float))
-            best = len(rounds) - 1
-        rounds[best].append(m)
-        used[best][(m.src_device, "out")] += size
-        used[best][(m.dst_device, "in")] += size
-        busy[best][out_key] += t
-        busy[best][in_key] += t
-    rounds = [r for r in rounds if r]
-    if not rounds:
-        rounds.append([])
-    rounds[0][:0] = local  # local copies run in the first round, beside the exchanges
-    return [Round(tuple(sorted(r, key=lambda m: (m.src_device, m.dst_device)))) for r in rounds]
+            return None
+        out_used[best][s] += size
+        in_used[best][d] += size
+        busy[best][ko] += t
+        busy[best][ki] += t
+        placed.append(best)
+    return placed
 
 
 def peak_staging(rnd: Round) -> dict[str, int]:

@@ -140,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
     topo = load_topology(args.topology)
-    plan = plan_transition(src, dst, parse_bytes(args.budget), topo)
+    plan = plan_transition(src, dst, parse_bytes(args.budget), topo, place=args.place)
     st = plan.stats
     if args.json:
         _write(args.json, json.dumps(plan_to_json(plan), separators=(",", ":")))
@@ -166,12 +166,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"  time    {st['predicted_seconds']:.3f} s predicted on {st['topology']} "
         f"(lower bound {st['lower_bound_seconds']:.3f} s, {ratio:.2f}x)",
         f"  planned in {st['plan_seconds']:.2f} s ({st['transfers']} transfers)",
-        "  biggest movers",
     ]
+    if "naive_bytes_moved" in st:
+        naive = st["naive_bytes_moved"]
+        lines.insert(4, f"  place   auto: TP groups kept in nodes; moves "
+                        f"{_fmt_bytes(naive - st['bytes_moved'])} less than rank r on device r "
+                        f"({_fmt_bytes(naive)}, {st['naive_predicted_seconds']:.3f} s predicted)")
+    lines.append("  biggest movers")
     for key, n in sorted(moved_by_key.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
         lines.append(f"    {_fmt_bytes(n):>10}  {key}")
+    if args.per_device:
+        lines.extend(_per_device_table(plan))
     print("\n".join(lines))
     return 0
+
+
+def _per_device_table(plan) -> list[str]:
+    """Every device: bytes in and out over NVLink and the network, local copies, busy time."""
+    from .planner.cost import link_bytes
+
+    per = link_bytes(list(plan.messages()))
+    rank_of_src = {d: r for r, d in enumerate(plan.src_devices)}
+    rank_of_dst = {d: r for r, d in enumerate(plan.dst_devices)}
+    devices = sorted(set(plan.src_devices) | set(plan.dst_devices), key=_device_order)
+    out = ["  per device            src  dst   nvl out    nvl in   net out    net in     local"]
+    for d in devices:
+        lb = per.get(d)
+        cols = [lb.intra_out, lb.intra_in, lb.inter_out, lb.inter_in, lb.local] if lb else [0] * 5
+        out.append(f"    {d:<18} {rank_of_src.get(d, '-'):>4} {rank_of_dst.get(d, '-'):>4} "
+                   + " ".join(f"{_fmt_bytes(c):>9}" for c in cols))
+    return out
+
+
+def _device_order(device: str) -> tuple:
+    """node2:gpu10 after node2:gpu9 (numeric, not lexicographic)."""
+    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", device))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget", default="2GiB", help="staging memory per device (default 2GiB)")
     pl.add_argument("--topology", default="h100", help="h100, h800 or a topology YAML file")
     pl.add_argument("--json", metavar="FILE", help="write the plan and its summary as JSON")
+    pl.add_argument("--place", choices=("naive", "auto"), default="naive",
+                    help="auto: choose which device runs each destination rank (TP groups kept "
+                         "inside nodes) to move the fewest bytes; naive: rank r on the r-th device")
+    pl.add_argument("--per-device", action="store_true",
+                    help="also print every device's traffic per link")
     pl.set_defaults(func=cmd_plan)
     return ap
 

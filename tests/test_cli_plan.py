@@ -41,3 +41,15 @@ def test_parse_bytes() -> None:
     assert parse_bytes("2GiB") == 2 << 30
     assert parse_bytes("512 MiB") == 512 << 20
     assert parse_bytes("1e9") == 10**9
+
+
+def test_plan_place_auto_and_per_device(capsys) -> None:
+    dst96 = "specs/llama3.1-70b/tp8-pp4-dp3-96gpu.yaml"
+    assert main(["plan", SRC, dst96, "--place", "auto", "--per-device"]) == 0
+    text = capsys.readouterr().out
+    assert "place   auto" in text and "less than rank r on device r" in text
+    rows = [l for l in text.splitlines() if l.startswith("    node")]
+    assert len(rows) == 128  # every device of either layout, leaving ones included
+    assert rows[8].split()[0] == "node1:gpu0"  # numeric order: node1 before node10
+    assert main(["plan", SRC, dst96, "--place", "somewhere"]) == 2
+    assert "--place" in capsys.readouterr().err

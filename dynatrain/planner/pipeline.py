@@ -13,7 +13,8 @@ from typing import Any
 from ..ir.layout import Layout
 from ..ir.state import StateView
 from .cost import H100, Topology, lower_bound_seconds, predicted_seconds
-from .intersect import PlanError, intersect
+from .intersect import Intersection, PlanError, intersect
+from .place import auto_place
 from .plan import Plan
 from .schedule import coalesce, peak_staging, schedule_rounds
 from .sources import pick_sources
@@ -38,14 +39,19 @@ def check_compatible(src: StateView, dst: StateView) -> dict[tuple[str, str], st
 
 
 def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topology = H100,
-                    trace: Trace | None = None) -> Plan:
+                    trace: Trace | None = None, place: str = "naive") -> Plan:
     """Plan moving every piece of ``dst``'s state from where ``src`` holds it.
+
+    ``place="auto"`` first reassigns ``dst``'s devices to its ranks (``planner.place``) and
+    records what the naive placement would have cost in the stats (``naive_*``).
 
     Raises:
         PlanError: the layouts are not the same model, or the budget cannot fit one element.
     """
     if budget_bytes <= 0:
         raise PlanError(f"--budget must be positive (got {budget_bytes})")
+    if place not in ("naive", "auto"):
+        raise PlanError(f"--place must be naive or auto (got {place!r})")
     t0 = time.perf_counter()
     sv, dv = StateView(src), StateView(dst)
     dtypes = check_compatible(sv, dv)
@@ -57,7 +63,25 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
             trace(name, out, time.perf_counter() - t)
         return out
 
+    # The intersection is in rank terms, so it serves any placement of the same layout.
     inter = step("intersect", lambda: intersect(sv, dv))
+    naive = None
+    if place == "auto":
+        naive = _schedule(inter, src, dst, dtypes, budget_bytes, topology, step)
+        dst = step("place", lambda: auto_place(src, dst, inter, dtypes))
+    plan = _schedule(inter, src, dst, dtypes, budget_bytes, topology, step)
+    plan.stats["placement"] = place
+    if naive is not None:
+        plan.stats.update(naive_bytes_moved=naive.stats["bytes_moved"],
+                          naive_predicted_seconds=naive.stats["predicted_seconds"])
+    plan.stats["plan_seconds"] = time.perf_counter() - t0
+    return plan
+
+
+def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[str, str], str],
+              budget_bytes: int, topology: Topology, step: Callable[[str, Callable[[], Any]], Any]
+              ) -> Plan:
+    """The passes after intersect, for one placement of ``dst``."""
     transfers, lower_bytes = step("pick_sources", lambda: pick_sources(inter, src.devices,
                                                                        dst.devices, dtypes))
     messages = step("coalesce", lambda: coalesce(transfers, src.devices, dst.devices,
@@ -79,6 +103,5 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
         predicted_seconds=predicted_seconds(plan, topology),
         lower_bound_seconds=lower_bound_seconds(plan, topology),
         topology=topology.name,
-        plan_seconds=time.perf_counter() - t0,
     )
     return plan

@@ -172,6 +172,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lines.insert(4, f"  place   auto: TP groups kept in nodes; moves "
                         f"{_fmt_bytes(naive - st['bytes_moved'])} less than rank r on device r "
                         f"({_fmt_bytes(naive)}, {st['naive_predicted_seconds']:.3f} s predicted)")
+    if plan.derived:
+        lines.insert(5, f"  derive  {', '.join(plan.derived)}: not sent; each destination rank "
+                        "casts its main params, then all-gathers over DP (state.derive_param)")
     lines.append("  biggest movers")
     for key, n in sorted(moved_by_key.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
         lines.append(f"    {_fmt_bytes(n):>10}  {key}")

@@ -216,6 +216,10 @@ BROKEN = [
     ("moe-layer-freq-entry", MOE, {"model.moe_layer_freq": [1, 0, 2, 1, 1, 1, 1, 1]},
      "model.moe_layer_freq.2", "less than or equal to 1"),
     ("unknown-preset", DENSE, {"model": "llama-9000"}, "model", "unknown preset"),
+    ("derive-param-needs-main", DENSE, {"state.derive_param": True, "state.main_param": None},
+     "state.derive_param", "needs main_param"),
+    ("derive-param-needs-cast", DENSE, {"state.derive_param": True, "state.param": "fp32"},
+     "state.derive_param", "bf16/fp16 param cast from fp32"),
     ("unknown-preset-key", DENSE, {"model": {"preset": "llama-9000"}}, "model.preset",
      "unknown preset"),
 ]
@@ -264,6 +268,7 @@ ALLOWED = [
       "parallel.order": "tp-cp-ep-pp-dp", "world.nodes": 2}),
     ("moe-bias-etp1", MOE, {"model.add_bias_linear": True, "parallel.tp": 2, "parallel.ep": 2,
                             "parallel.etp": 1}),
+    ("derive-param", DENSE, {"state.derive_param": True}),
     ("devices", DENSE,
      {"world.nodes": DELETE, "world.gpus_per_node": DELETE,
       "world.devices": [f"node{n}:gpu{g}" for n in (7, 3) for g in range(4)]}),

@@ -34,6 +34,16 @@ def check_rules(spec: LayoutSpec) -> None:
     _check_world(spec)
     _check_parallel(spec)
     _check_pipeline(spec)
+    _check_state(spec)
+
+
+def _check_state(spec: LayoutSpec) -> None:
+    st = spec.state
+    if st.derive_param:
+        _need(st.main_param is not None, "state.derive_param",
+              "needs main_param (the copy the param is cast from)", True)
+        _need(st.param != "fp32" and st.main_param == "fp32", "state.derive_param",
+              "needs a bf16/fp16 param cast from fp32 main params", st.param)
 
 
 def _need(ok: bool, field: str, rule: str, value: object) -> None:

@@ -164,6 +164,11 @@ class StateConfig(_Strict):
     main_param: DType | None = "fp32"
     exp_avg: DType | None = "fp32"
     exp_avg_sq: DType | None = "fp32"
+    # Opt-in: the destination rebuilds its ``param`` by casting the main params its optimizer
+    # holds (and, under the distributed optimizer, all-gathering them over DP as Megatron does
+    # after every step) instead of receiving them. Saves the param bytes; valid because
+    # Megatron keeps param == cast(main_param) at every step boundary.
+    derive_param: bool = False
 
 
 class LayoutSpec(_Strict):

@@ -139,8 +139,11 @@ def build_index(view: StateView) -> dict[tuple[str, tuple[str, ...]], _Index]:
     return {k: _Index(v) for k, v in entries.items()}
 
 
-def intersect(src: StateView, dst: StateView) -> Intersection:
-    """Cut every destination box by the source boxes; raise if anything is not covered."""
+def intersect(src: StateView, dst: StateView, derived: tuple[str, ...] = ()) -> Intersection:
+    """Cut every destination box by the source boxes; raise if anything is not covered.
+
+    Kinds in ``derived`` are rebuilt by the destination itself and are not asked for.
+    """
     index = build_index(src)
     group_of: dict[tuple[str, str], tuple[str, ...]] = {}
     for key, kinds in index:
@@ -154,18 +157,22 @@ def intersect(src: StateView, dst: StateView) -> Intersection:
         for part in (dst.param_part(rank), dst.shard_part(rank)):
             got = answered.get(id(part))
             if got is None:
-                got = answered[id(part)] = (part, _answer(part, index, group_of, rank))
+                got = answered[id(part)] = (part, _answer(part, index, group_of, rank,
+                                                              derived))
             groups.append(got[1])
         per_rank.append(tuple(groups))
     return Intersection(tuple(per_rank))
 
 
 def _answer(part: tuple[Stored, ...], index: dict[tuple[str, tuple[str, ...]], _Index],
-            group_of: dict[tuple[str, str], tuple[str, ...]], rank: int) -> tuple[Answer, ...]:
+            group_of: dict[tuple[str, str], tuple[str, ...]], rank: int,
+            derived: tuple[str, ...]) -> tuple[Answer, ...]:
     out = []
     for s in part:
         by_group: dict[tuple[str, ...], list[str]] = defaultdict(list)
         for k in s.kinds:
+            if k in derived:
+                continue
             g = group_of.get((s.key, k))
             if g is None:
                 raise PlanError(f"{s.key} [{k}]: the destination needs state the source "

@@ -64,7 +64,8 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
         return out
 
     # The intersection is in rank terms, so it serves any placement of the same layout.
-    inter = step("intersect", lambda: intersect(sv, dv))
+    derived = ("param",) if dst.spec.state.derive_param else ()
+    inter = step("intersect", lambda: intersect(sv, dv, derived))
     naive = None
     if place == "auto":
         naive = _schedule(inter, src, dst, dtypes, budget_bytes, topology, step)
@@ -88,7 +89,7 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
                                                  budget_bytes))
     rounds = step("rounds", lambda: schedule_rounds(messages, budget_bytes, topology))
     plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,
-                tuple(rounds), budget_bytes)
+                tuple(rounds), budget_bytes, ("param",) if dst.spec.state.derive_param else ())
     moved = sum(m.nbytes for m in plan.messages() if not m.local)
     peaks = [max(peak_staging(r).values(), default=0) for r in rounds]
     plan.stats.update(

@@ -74,6 +74,9 @@ class Plan:
     dst_devices: tuple[str, ...]
     rounds: tuple[Round, ...]
     budget_bytes: int
+    # State kinds the destination rebuilds instead of receiving: ("param",) means cast each
+    # rank's main params to the param dtype, then all-gather over DP (Megatron's param sync).
+    derived: tuple[str, ...] = ()
     stats: dict = field(default_factory=dict, compare=False, hash=False)
 
     def messages(self):

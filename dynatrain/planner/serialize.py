@@ -45,6 +45,7 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
         "src": plan.src_name, "dst": plan.dst_name,
         "src_devices": list(plan.src_devices), "dst_devices": list(plan.dst_devices),
         "budget_bytes": plan.budget_bytes,
+        "derived": list(plan.derived),
         "summary": dict(plan.stats),
         "rounds": [[{
             "src_device": m.src_device, "dst_device": m.dst_device,
@@ -65,7 +66,8 @@ def plan_from_json(doc: dict[str, Any]) -> Plan:
                      _unbox(t[6]), _unslot(t[7]), _unbox(t[8]), int(t[9]))
             for t in m["transfers"])) for m in r)) for r in doc["rounds"])
         plan = Plan(str(doc["src"]), str(doc["dst"]), tuple(doc["src_devices"]),
-                    tuple(doc["dst_devices"]), rounds, int(doc["budget_bytes"]))
+                    tuple(doc["dst_devices"]), rounds, int(doc["budget_bytes"]),
+                    tuple(str(k) for k in doc.get("derived", ())))
     except (KeyError, IndexError, TypeError, ValueError) as err:
         raise DynatrainError(f"plan: malformed document ({err.__class__.__name__}: {err})") from None
     plan.stats.update(doc.get("summary", {}))

@@ -85,4 +85,28 @@ def execute(plan: Plan, src: list[Storage], dst_view: StateView) -> list[Storage
                     s = region(src[t.src_rank], kind, t.src_slot, t.src_anchor)
                     d = region(dst[t.dst_rank], kind, t.dst_slot, t.dst_anchor)
                     d[_within(t.box, t.dst_anchor)] = s[_within(t.box, t.src_anchor)]
+    if "param" in plan.derived:
+        _derive_params(dst, dst_view)
     return dst
+
+
+def _derive_params(dst: list[Storage], view: StateView) -> None:
+    """Rebuild every param from the main params the destination's optimizers hold.
+
+    The simulator keeps everything in float32, so the cast is the identity here; what it
+    checks is that the main params cover every param element (the DP all-gather's sources).
+    """
+    main: dict[str, np.ndarray] = {}
+    tensors = view.tensors()
+    for rank, store in enumerate(dst):
+        for reg in view.regions(rank):
+            if reg.kind == "main_param":
+                g = main.setdefault(reg.key, np.full(tensors[(reg.key, "main_param")].shape,
+                                                     np.nan, np.float32))
+                g[tuple(slice(l, h) for l, h in zip(reg.box.lo, reg.box.hi))] = region(
+                    store, reg.kind, reg.slot, reg.box)
+    for rank, store in enumerate(dst):
+        for reg in view.regions(rank):
+            if reg.kind == "param":
+                sl = tuple(slice(l, h) for l, h in zip(reg.box.lo, reg.box.hi))
+                region(store, "param", reg.slot, reg.box)[...] = main[reg.key][sl]

@@ -32,12 +32,12 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def _write(path: str, text: str) -> None:
+def _write(path: str, text: str, option: str = "--json") -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     except OSError as err:
-        raise DynatrainError(f"--json: cannot write {path!r} ({err.strerror or err})") from None
+        raise DynatrainError(f"{option}: cannot write {path!r} ({err.strerror or err})") from None
 
 
 def _parse_ranks(text: str | None, world: int) -> list[int]:
@@ -143,7 +143,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_transition(src, dst, parse_bytes(args.budget), topo, place=args.place)
     st = plan.stats
     if args.json:
-        _write(args.json, json.dumps(plan_to_json(plan), separators=(",", ":")))
+        _write(args.json, json.dumps(plan_to_json(plan), separators=(",", ":")), "--json")
+    if args.text:
+        from .planner.text import plan_to_text
+
+        text = plan_to_text(plan)
+        if args.text == "-":
+            sys.stdout.write(text)
+            return 0
+        _write(args.text, text, "--text")
     moved_by_key: dict[str, int] = {}
     for m in plan.messages():
         if not m.local:
@@ -220,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget", default="2GiB", help="staging memory per device (default 2GiB)")
     pl.add_argument("--topology", default="h100", help="h100, h800 or a topology YAML file")
     pl.add_argument("--json", metavar="FILE", help="write the plan and its summary as JSON")
+    pl.add_argument("--text", metavar="FILE",
+                    help="write every round, message and transfer as text ('-': stdout only)")
     pl.add_argument("--place", choices=("naive", "auto"), default="naive",
                     help="auto: choose which device runs each destination rank (TP groups kept "
                          "inside nodes) to move the fewest bytes; naive: rank r on the r-th device")

@@ -56,3 +56,14 @@ def test_plan_place_auto_and_per_device(capsys) -> None:
     with pytest.raises(SystemExit) as exc:  # argparse's own usage error, one line
         main(["plan", SRC, dst96, "--place", "somewhere"])
     assert exc.value.code == 2 and "--place" in capsys.readouterr().err
+
+
+def test_plan_text_listing(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.txt"
+    assert main(["plan", "specs/llama3.1-8b/tp2-dp4.yaml", "specs/llama3.1-8b/tp2-dp4.yaml",
+                 "--text", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("plan ") and "local copy node0:gpu0 -> node0:gpu0" in text
+    assert "  send " not in text  # an identity switch sends nothing
+    assert main(["plan", SRC, DST, "--text", str(tmp_path / "missing" / "x.txt")]) == 2
+    assert capsys.readouterr().err.startswith("dynatrain: error: --text: cannot write")

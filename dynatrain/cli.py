@@ -144,6 +144,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     st = plan.stats
     if args.json:
         _write(args.json, json.dumps(plan_to_json(plan), separators=(",", ":")), "--json")
+    if args.heatmap:
+        from .report.heatmap import write_heatmap
+
+        write_heatmap(plan, args.heatmap)
+    if args.dot:
+        from .report.dot import write_dot
+
+        write_dot(plan, args.dot)
     if args.text:
         from .planner.text import plan_to_text
 
@@ -230,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", metavar="FILE", help="write the plan and its summary as JSON")
     pl.add_argument("--text", metavar="FILE",
                     help="write every round, message and transfer as text ('-': stdout only)")
+    pl.add_argument("--heatmap", metavar="FILE.png",
+                    help="draw the device x device traffic matrix with node boundaries")
+    pl.add_argument("--dot", metavar="FILE.dot",
+                    help="write the round/message graph (Graphviz) of a small plan")
     pl.add_argument("--place", choices=("naive", "auto"), default="naive",
                     help="auto: choose which device runs each destination rank (TP groups kept "
                          "inside nodes) to move the fewest bytes; naive: rank r on the r-th device")

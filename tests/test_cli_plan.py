@@ -67,3 +67,17 @@ def test_plan_text_listing(tmp_path, capsys) -> None:
     assert "  send " not in text  # an identity switch sends nothing
     assert main(["plan", SRC, DST, "--text", str(tmp_path / "missing" / "x.txt")]) == 2
     assert capsys.readouterr().err.startswith("dynatrain: error: --text: cannot write")
+
+
+def test_plan_heatmap_and_dot(tmp_path, capsys) -> None:
+    small = "specs/llama3.1-8b/tp2-dp4.yaml"
+    png, dot = tmp_path / "t.png", tmp_path / "t.dot"
+    assert main(["plan", SRC, DST, "--heatmap", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plan", small, small, "--dot", str(dot)]) == 0
+    assert dot.read_text().startswith("digraph")
+    capsys.readouterr()
+    assert main(["plan", SRC, DST, "--dot", str(dot)]) == 2  # 70B: too many messages
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dot is for plans with at most" in err[0]
+    assert main(["plan", small, small, "--heatmap", str(tmp_path / "t.jpg")]) == 2

@@ -22,6 +22,8 @@ from .dot import human_bytes
 # Above this many devices a side, cells are summed in square blocks so each block gets at least
 # a pixel and no sparse traffic is lost to image downsampling.
 MAX_CELLS = 512
+FIGSIZE_IN = (9, 8)  # width, height
+DPI = 120
 
 
 def _natural(text: str) -> list[str | int]:
@@ -65,6 +67,11 @@ def traffic_matrix(plan: Plan) -> tuple[list[str], np.ndarray]:
     devices = device_order(plan)
     index = {d: i for i, d in enumerate(devices)}
     return devices, _accumulate(plan, index, len(devices), 1)
+
+
+def _plain(text: str) -> str:
+    # matplotlib reads "$...$" as mathtext (and raises on unknown commands); names are not math.
+    return text.replace("$", r"\$")
 
 
 def _node_spans(devices: list[str]) -> list[tuple[str, int, int]]:
@@ -113,6 +120,10 @@ def write_heatmap(plan: Plan, path: str | Path) -> None:
     p = Path(path)
     if p.suffix.lower() != ".png":
         raise DynatrainError(f"--heatmap: the output must end in .png (got {str(p)!r})")
+    # Fail before the (slow) drawing when the path clearly cannot be written.
+    if p.is_dir() or not p.parent.is_dir():
+        why = "it is a directory" if p.is_dir() else "no such directory"
+        raise DynatrainError(f"--heatmap: cannot write {str(p)!r} ({why})")
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import LogNorm
@@ -127,7 +138,7 @@ def write_heatmap(plan: Plan, path: str | Path) -> None:
                                                        if m.local)
     moved = int(grid.sum()) - local
 
-    fig = Figure(figsize=(9, 8), dpi=120, layout="constrained")
+    fig = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     shown = np.ma.masked_equal(grid, 0)
@@ -148,14 +159,16 @@ def write_heatmap(plan: Plan, path: str | Path) -> None:
         ax.vlines(bounds, 0, n, colors="0.6", linewidths=0.6)
     pos, labels = _ticks(devices)
     small = 6 if len(labels) > 16 else 8
+    labels = [_plain(t) for t in labels]
     ax.set_xticks(pos, labels, rotation=90, fontsize=small)
     ax.set_yticks(pos, labels, fontsize=small)
     ax.set_xlabel("destination device")
     ax.set_ylabel("source device")
-    ax.set_title(f"{plan.src_name} -> {plan.dst_name}\n{human_bytes(moved)} moved between "
-                 f"devices, {human_bytes(local)} local (diagonal), {len(plan.rounds)} rounds, "
-                 f"{n} devices", fontsize=10)
+    ax.set_title(f"{_plain(plan.src_name)} -> {_plain(plan.dst_name)}\n"
+                 f"{human_bytes(moved)} moved between devices, {human_bytes(local)} local "
+                 f"(diagonal), {len(plan.rounds)} rounds, {n} devices", fontsize=10)
     try:
         fig.savefig(p, format="png")
     except OSError as err:
-        raise DynatrainError(f"--heatmap: cannot write {str(p)!r} ({err.strerror or err})") from None
+        why = err.strerror or err
+        raise DynatrainError(f"--heatmap: cannot write {str(p)!r} ({why})") from None

@@ -1,0 +1,453 @@
+"""Planner benchmark: headline transitions, scaling with ranks, and PyTorch DCP's planner.
+
+Three sections, each printed as a table and written to one JSON file:
+
+1. headline: shipped spec pairs planned with a 2 GiB staging budget on the H100 topology; plan
+   time and plan quality (bytes and predicted seconds against their lower bounds).
+2. scaling: Llama-3.1-70B TP8 PP4 DP d -> TP8 PP8 DP d/2 on the same world, 64 to 8192 ranks;
+   plan seconds, seconds per rank and the log-log slope of seconds against ranks.
+3. dcp: the same weights-only transition planned by PyTorch DCP's resharding planner
+   (``create_default_local_load_plan`` for every destination rank, then the global load plan)
+   and by ``plan_transition``, in one process; the ratio is DCP seconds / ours.
+
+Run ``python bench/plan_bench.py [--quick] [--out FILE]``. ``--quick`` skips the 405B pair, stops
+the scaling sweep at 1024 ranks and runs one DCP case, so it finishes in well under a minute.
+Everything is computed locally from the shipped specs; nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dynatrain.ir.layout import Layout
+from dynatrain.ir.loader import load_spec, spec_from_dict
+from dynatrain.ir.spec import LayoutSpec
+from dynatrain.ir.state import StateView
+from dynatrain.planner.cost import H100
+from dynatrain.planner.pipeline import plan_transition
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = ROOT / "specs"
+DEFAULT_OUT = ROOT / "bench" / "results" / "plan_bench.json"
+BUDGET_BYTES = 2 << 30
+GIB = 1 << 30
+
+# (label, source spec, destination spec, skipped by --quick)
+HEADLINE: tuple[tuple[str, str, str, bool], ...] = (
+    ("70B pp4->pp8", "llama3.1-70b/tp8-pp4-dp4", "llama3.1-70b/tp8-pp8-dp2", False),
+    ("70B dp4->dp3", "llama3.1-70b/tp8-pp4-dp4", "llama3.1-70b/tp8-pp4-dp3-96gpu", False),
+    ("235B tp4pp8ep16->tp8pp4ep8", "qwen3-235b-a22b/tp4-pp8-ep16-256gpu",
+     "qwen3-235b-a22b/tp8-pp4-ep8-256gpu", False),
+    ("235B ep16->ep8 192gpu", "qwen3-235b-a22b/tp4-pp8-ep16-256gpu",
+     "qwen3-235b-a22b/tp4-pp8-ep8-192gpu", False),
+    ("405B dp32->dp24", "llama3.1-405b/tp8-pp16-dp32-4096gpu",
+     "llama3.1-405b/tp8-pp16-dp24-3072gpu", True),
+)
+SCALING_MODEL = "llama3.1-70b"
+SCALING_WORLDS = tuple(64 << i for i in range(8))  # 64 .. 8192
+QUICK_MAX_WORLD = 1024
+TAIL_FROM = 1024  # fixed per-plan costs blur the slope on small worlds; fit the tail apart too
+DCP_WORLDS = (128, 1024)  # the first is the shipped 70B pair; --quick runs only that one
+DCP_REPEATS = 3
+WEIGHTS_ONLY = {"main_param": None, "exp_avg": None, "exp_avg_sq": None}  # a StateConfig
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def spec_path(name: str) -> Path:
+    return SPECS / f"{name}.yaml"
+
+
+def clear_ir_caches() -> int:
+    """Empty every ``lru_cache`` in the loaded dynatrain modules; returns how many.
+
+    The IR memoizes model tables and shards by value at module level, so a second plan of the
+    same model in one process runs warm. Clearing them times each plan as a fresh process
+    would run it, and frees the layouts that method caches keep alive.
+    """
+    cleared = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("dynatrain.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            owners = [obj, *vars(obj).values()] if isinstance(obj, type) else [obj]
+            for fn in owners:
+                if callable(getattr(fn, "cache_clear", None)):
+                    fn.cache_clear()
+                    cleared += 1
+    return cleared
+
+
+def timed_plan(src: LayoutSpec, dst: LayoutSpec, warm: bool = False) -> dict[str, Any]:
+    """Plan ``src -> dst`` from freshly compiled layouts and return the plan's stats.
+
+    Cold by default (IR caches emptied first): compiling the layouts is part of planning.
+    """
+    if not warm:
+        clear_ir_caches()
+    gc.collect()  # garbage of the previous run should not be charged to this one
+    plan = plan_transition(Layout(src), Layout(dst), budget_bytes=BUDGET_BYTES, topology=H100)
+    stats = dict(plan.stats)
+    del plan
+    return stats
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def log_slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of log(y) against log(x): 1.0 means linear growth."""
+    if len(xs) < 2:
+        return None
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    den = sum((x - mx) ** 2 for x in lx)
+    return sum((x - mx) * (y - my) for x, y in zip(lx, ly)) / den if den else None
+
+
+def print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
+    """Plain fixed-width table: first column left-aligned, the rest right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+
+    print(f"\n{title}")
+    print(line(headers))
+    print(line(["-" * w for w in widths]))
+    for r in rows:
+        print(line(r))
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+# ---- 1. headline transitions --------------------------------------------------------------------
+
+def headline_row(label: str, src_name: str, dst_name: str) -> dict[str, Any]:
+    """One shipped transition: its plan stats plus the two quality ratios."""
+    src, dst = load_spec(spec_path(src_name)), load_spec(spec_path(dst_name))
+    s = timed_plan(src, dst)
+    return dict(
+        label=label, src=src_name, dst=dst_name,
+        src_ranks=Layout(src).world, dst_ranks=Layout(dst).world,
+        plan_seconds=s["plan_seconds"], transfers=s["transfers"], messages=s["messages"],
+        rounds=s["rounds"], bytes_moved=s["bytes_moved"], bytes_lower_bound=s["bytes_lower_bound"],
+        bytes_local=s["bytes_local"], bytes_ratio=ratio(s["bytes_moved"], s["bytes_lower_bound"]),
+        predicted_seconds=s["predicted_seconds"], lower_bound_seconds=s["lower_bound_seconds"],
+        time_ratio=ratio(s["predicted_seconds"], s["lower_bound_seconds"]),
+        peak_staging_bytes=s["peak_staging_bytes"], budget_bytes=s["budget_bytes"],
+    )
+
+
+def run_headline(quick: bool) -> list[dict[str, Any]]:
+    rows = [headline_row(label, a, b) for label, a, b, slow in HEADLINE if not (quick and slow)]
+    print_table(
+        "1. Headline transitions (budget 2 GiB/device, H100 topology)",
+        ["transition", "ranks", "plan s", "transfers", "msgs", "rounds", "moved GiB", "LB GiB",
+         "x", "pred s", "LB s", "x", "peak/budget GiB"],
+        [[r["label"], f"{r['src_ranks']}->{r['dst_ranks']}", fmt(r["plan_seconds"]),
+          str(r["transfers"]), str(r["messages"]), str(r["rounds"]),
+          fmt(r["bytes_moved"] / GIB, ".1f"), fmt(r["bytes_lower_bound"] / GIB, ".1f"),
+          fmt(r["bytes_ratio"]), fmt(r["predicted_seconds"], ".3f"),
+          fmt(r["lower_bound_seconds"], ".3f"), fmt(r["time_ratio"]),
+          f"{r['peak_staging_bytes'] / GIB:.2f}/{r['budget_bytes'] / GIB:.2f}"] for r in rows],
+    )
+    return rows
+
+
+# ---- 2. scaling with ranks ----------------------------------------------------------------------
+
+def scaling_spec(world: int, pp: int, weights_only: bool = False) -> LayoutSpec:
+    """The scaling model at TP8 and the given PP on ``world`` ranks (8 GPUs per node)."""
+    raw: dict[str, Any] = dict(model=SCALING_MODEL, parallel=dict(tp=8, pp=pp),
+                               world=dict(nodes=world // 8, gpus_per_node=8))
+    if weights_only:
+        raw["state"] = WEIGHTS_ONLY
+    return spec_from_dict(raw, origin=f"{SCALING_MODEL} W={world} pp={pp}")
+
+
+def run_scaling(quick: bool) -> dict[str, Any]:
+    worlds = [w for w in SCALING_WORLDS if not quick or w <= QUICK_MAX_WORLD]
+    rows = []
+    for w in worlds:
+        s = timed_plan(scaling_spec(w, 4), scaling_spec(w, 8))
+        rows.append(dict(ranks=w, src=f"tp8-pp4-dp{w // 32}", dst=f"tp8-pp8-dp{w // 64}",
+                         plan_seconds=s["plan_seconds"],
+                         seconds_per_rank=s["plan_seconds"] / w, transfers=s["transfers"],
+                         messages=s["messages"], rounds=s["rounds"]))
+    xs, ys = [r["ranks"] for r in rows], [r["plan_seconds"] for r in rows]
+    tail = [(x, y) for x, y in zip(xs, ys) if x >= TAIL_FROM]
+    out = dict(model=SCALING_MODEL, transition="tp8-pp4-dpD -> tp8-pp8-dpD/2 (full state)",
+               rows=rows, exponent_all=log_slope(xs, ys),
+               exponent_tail=log_slope([x for x, _ in tail], [y for _, y in tail]),
+               tail_from_ranks=TAIL_FROM)
+    print_table(
+        f"2. Scaling: {SCALING_MODEL} TP8 PP4 DP d -> TP8 PP8 DP d/2, same world (full state)",
+        ["ranks", "plan s", "ms/rank", "transfers", "msgs", "rounds"],
+        [[str(r["ranks"]), fmt(r["plan_seconds"]), fmt(r["seconds_per_rank"] * 1e3, ".3f"),
+          str(r["transfers"]), str(r["messages"]), str(r["rounds"])] for r in rows],
+    )
+    print(f"log-log slope of plan seconds vs ranks: {fmt(out['exponent_all'])} over "
+          f"{xs[0]}..{xs[-1]}; {fmt(out['exponent_tail'])} over ranks >= {TAIL_FROM}")
+    return out
+
+
+# ---- 3. PyTorch DCP's resharding planner --------------------------------------------------------
+
+
+def weights_only(name: str) -> LayoutSpec:
+    """A shipped spec with its optimizer kinds removed (params only)."""
+    raw = yaml.safe_load(spec_path(name).read_text(encoding="utf-8"))
+    raw["state"] = WEIGHTS_ONLY
+    return spec_from_dict(raw, origin=name)
+
+
+def _fqn(key: str, kind: str) -> str:
+    return key if kind == "param" else f"{key}/{kind}"
+
+
+def _boxes_by_fqn(view: StateView, rank: int, primary_only: bool) -> dict[str, set]:
+    """The distinct boxes ``rank`` holds, per DCP key (one key per logical tensor)."""
+    out: dict[str, set] = {}
+    for st in view.stored(rank):
+        if primary_only and not st.primary:  # a tied copy is not saved twice
+            continue
+        for kind in st.kinds:
+            out.setdefault(_fqn(st.key, kind), set()).add(st.box)
+    return out
+
+
+class DCPInputs:
+    """What DCP's load planner reads, built from the IR: checkpoint metadata and state dicts.
+
+    The metadata has one ``ChunkStorageMetadata`` per distinct source box (replicas saved
+    once). Each destination rank's state dict maps a key to a ``_Shards`` object exposing the
+    boxes it holds through the ``__create_chunk_list__`` protocol that DTensor implements, so
+    DCP computes reads from metadata alone, with no tensors allocated.
+    """
+
+    def __init__(self, src: LayoutSpec, dst: LayoutSpec) -> None:
+        import torch
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata)
+
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                  "int64": torch.int64}
+        sv, dv = StateView(Layout(src)), StateView(Layout(dst))
+        shapes = {_fqn(k, kind): t for (k, kind), t in sv.tensors().items()}
+
+        def chunks(boxes: set) -> list:
+            # Sorted so the metadata (and DCP's read order) is the same on every run.
+            return [ChunkStorageMetadata(offsets=torch.Size(b.lo), sizes=torch.Size(b.shape))
+                    for b in sorted(boxes)]
+
+        saved: dict[str, set] = {}
+        for r in range(sv.layout.world):
+            for fqn, boxes in _boxes_by_fqn(sv, r, primary_only=True).items():
+                saved.setdefault(fqn, set()).update(boxes)
+        self.metadata = Metadata(state_dict_metadata={
+            fqn: TensorStorageMetadata(TensorProperties(dtype=dtypes[shapes[fqn].dtype]),
+                                       torch.Size(shapes[fqn].shape), chunks(boxes))
+            for fqn, boxes in sorted(saved.items())})
+        self.saved_chunks = sum(len(b) for b in saved.values())
+        self.state_dicts, self.dst_elements = [], 0
+        for r in range(dv.layout.world):
+            held = sorted(_boxes_by_fqn(dv, r, primary_only=False).items())
+            self.state_dicts.append({fqn: _Shards(torch.Size(shapes[fqn].shape), chunks(boxes))
+                                     for fqn, boxes in held})
+            self.dst_elements += sum(b.numel for _, boxes in held for b in boxes)
+        self.src_ranks, self.dst_ranks = sv.layout.world, dv.layout.world
+
+
+class _Shards:
+    """A sharded tensor as DCP's planner sees it: global size plus local chunks, no data."""
+
+    __slots__ = ("_size", "_chunks")
+
+    def __init__(self, size: Any, chunks: list) -> None:
+        self._size, self._chunks = size, chunks
+
+    def size(self) -> Any:
+        return self._size
+
+    def __create_chunk_list__(self) -> list:
+        return self._chunks
+
+
+def dcp_load_planning(inputs: DCPInputs) -> dict[str, Any]:
+    """Time DCP's load planning: every destination rank's local plan, then the global plan.
+
+    In a distributed load each rank builds its own local plan; here they run one after another,
+    so the total is the work summed over ranks and the per-rank maximum is the critical path.
+    """
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner, create_default_local_load_plan)
+
+    gc.collect()
+    plans, slowest = [], 0.0
+    t0 = time.perf_counter()
+    for sd in inputs.state_dicts:
+        t = time.perf_counter()
+        plans.append(create_default_local_load_plan(sd, inputs.metadata))
+        slowest = max(slowest, time.perf_counter() - t)
+    t1 = time.perf_counter()
+    plans = DefaultLoadPlanner().create_global_plan(plans)
+    t2 = time.perf_counter()
+    read = sum(math.prod(item.lengths) for p in plans for item in p.items)
+    if read != inputs.dst_elements:  # DCP must read exactly what the destination holds
+        raise SystemExit(f"DCP plans read {read} elements; the destination holds "
+                         f"{inputs.dst_elements}")
+    return dict(local_total_seconds=t1 - t0, local_max_seconds=slowest,
+                global_seconds=t2 - t1, total_seconds=t2 - t0,
+                read_items=sum(len(p.items) for p in plans))
+
+
+def dcp_save_validation(inputs: DCPInputs) -> float:
+    """Time ``_validate_global_plan``: the only global validation DCP runs (at save time).
+
+    The load path (``DefaultLoadPlanner.create_global_plan``) validates nothing; the save
+    coordinator checks bounds, pairwise overlap and volume of every chunk in the metadata.
+    """
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    # Only len(global_plan) > 1 matters to it (it enables the volume check).
+    plans = [SavePlan([]) for _ in range(inputs.src_ranks)]
+    gc.collect()
+    t = time.perf_counter()
+    errors = _validate_global_plan(plans, inputs.metadata)
+    elapsed = time.perf_counter() - t
+    if errors:  # the IR's source boxes must tile every tensor exactly
+        raise SystemExit(f"DCP rejects the IR's source metadata: {errors[:3]}")
+    return elapsed
+
+
+def best_of(n: int, fn: Callable[[], Any], key: Callable[[Any], float]) -> Any:
+    """The fastest of ``n`` runs (timing noise only ever adds)."""
+    return min((fn() for _ in range(n)), key=key)
+
+
+def dcp_row(label: str, src: LayoutSpec, dst: LayoutSpec, repeats: int) -> dict[str, Any]:
+    """DCP's planner and ours on one weights-only transition, both timed in this process."""
+    ours = best_of(repeats, lambda: timed_plan(src, dst), key=lambda s: s["plan_seconds"])
+    # Warm: the IR caches hold this model already (a controller that planned it before).
+    warm = best_of(repeats, lambda: timed_plan(src, dst, warm=True),
+                   key=lambda s: s["plan_seconds"])
+    inputs = DCPInputs(src, dst)
+    dcp = best_of(repeats, lambda: dcp_load_planning(inputs), key=lambda d: d["total_seconds"])
+    validate = min(dcp_save_validation(inputs) for _ in range(repeats))
+    return dict(
+        label=label, src_ranks=inputs.src_ranks, dst_ranks=inputs.dst_ranks, repeats=repeats,
+        saved_chunks=inputs.saved_chunks,
+        dst_entries=sum(len(sd) for sd in inputs.state_dicts),
+        ours_seconds=ours["plan_seconds"], ours_warm_seconds=warm["plan_seconds"],
+        ours_transfers=ours["transfers"],
+        ours_bytes_moved=ours["bytes_moved"], ours_bytes_local=ours["bytes_local"],
+        dcp_local_total_seconds=dcp["local_total_seconds"],
+        dcp_local_max_seconds=dcp["local_max_seconds"],
+        dcp_global_seconds=dcp["global_seconds"], dcp_seconds=dcp["total_seconds"],
+        dcp_read_items=dcp["read_items"], dcp_save_validation_seconds=validate,
+        ratio=ratio(dcp["total_seconds"], ours["plan_seconds"]),
+        ratio_critical_path=ratio(dcp["local_max_seconds"] + dcp["global_seconds"],
+                                  ours["plan_seconds"]),
+    )
+
+
+def run_dcp(quick: bool) -> dict[str, Any]:
+    try:
+        import torch.distributed.checkpoint  # noqa: F401
+    except ImportError as err:
+        print(f"\n3. DCP comparison skipped: {err}")
+        return dict(rows=[], dcp_planner_ratio=None, skipped=str(err))
+    rows = [dcp_row("70B tp8-pp4-dp4 -> tp8-pp8-dp2", weights_only("llama3.1-70b/tp8-pp4-dp4"),
+                    weights_only("llama3.1-70b/tp8-pp8-dp2"), DCP_REPEATS)]
+    if not quick:
+        w = DCP_WORLDS[1]
+        rows.append(dcp_row(f"70B tp8-pp4-dp{w // 32} -> tp8-pp8-dp{w // 64}",
+                            scaling_spec(w, 4, True), scaling_spec(w, 8, True), 1))
+    print_dcp(rows)
+    return dict(rows=rows, dcp_planner_ratio=rows[0]["ratio"])
+
+
+def print_dcp(rows: list[dict[str, Any]]) -> None:
+    print_table(
+        "3. PyTorch DCP load planner vs plan_transition, weights only (one process)",
+        ["transition", "ranks", "ours s", "warm s", "DCP s", "x", "DCP max/rank s", "x crit",
+         "DCP validate s", "ours transfers", "DCP reads"],
+        [[r["label"], f"{r['src_ranks']}->{r['dst_ranks']}", fmt(r["ours_seconds"], ".3f"),
+          fmt(r["ours_warm_seconds"], ".3f"), fmt(r["dcp_seconds"], ".3f"), fmt(r["ratio"]),
+          fmt(r["dcp_local_max_seconds"], ".4f"), fmt(r["ratio_critical_path"]),
+          fmt(r["dcp_save_validation_seconds"], ".4f"), str(r["ours_transfers"]),
+          str(r["dcp_read_items"])] for r in rows],
+    )
+    print("ours s: cold (IR caches emptied), best of the repeats; warm s: caches already hold "
+          "the model.\nx = DCP s (every destination rank's local plan + global plan) / ours s; "
+          "x crit uses DCP's slowest single rank instead of the sum.")
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def environment(quick: bool) -> dict[str, Any]:
+    """What the numbers were measured on, so results files can be compared."""
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return dict(quick=quick, python=sys.version.split()[0], torch=torch_version,
+                cpus=os.cpu_count(), loadavg_at_start=os.getloadavg(),
+                machine=platform.platform(), processor=platform.processor() or None,
+                git=commit, budget_bytes=BUDGET_BYTES, topology=H100.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="skip 405B, scale to 1024 ranks only, one DCP case")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file ({DEFAULT_OUT})")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    result: dict[str, Any] = dict(environment=environment(args.quick))
+    result["headline"] = run_headline(args.quick)
+    result["scaling"] = run_scaling(args.quick)
+    dcp = run_dcp(args.quick)
+    result["dcp"] = dcp["rows"]
+    result["dcp_planner_ratio"] = dcp["dcp_planner_ratio"]
+    result["wall_seconds"] = time.perf_counter() - t0
+    result["environment"]["loadavg_at_end"] = os.getloadavg()  # other load skews timings
+    # ru_maxrss is KiB on Linux; peak over the whole run.
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"\nwall {result['wall_seconds']:.1f} s, peak RSS "
+          f"{result['peak_rss_bytes'] / GIB:.2f} GiB; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,7 +27,8 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,9 @@ HEADLINE: tuple[tuple[str, str, str, bool], ...] = (
 SCALING_MODEL = "llama3.1-70b"
 SCALING_WORLDS = tuple(64 << i for i in range(8))  # 64 .. 8192
 QUICK_MAX_WORLD = 1024
+PASS_COLUMNS = ("intersect", "pick_sources", "coalesce", "rounds")  # plan_transition's passes
 TAIL_FROM = 1024  # fixed per-plan costs blur the slope on small worlds; fit the tail apart too
-DCP_WORLDS = (128, 1024)  # the first is the shipped 70B pair; --quick runs only that one
+DCP_LARGE_WORLD = 1024  # a second, larger DCP case; --quick runs only the shipped 70B pair
 DCP_REPEATS = 3
 WEIGHTS_ONLY = {"main_param": None, "exp_avg": None, "exp_avg_sq": None}  # a StateConfig
 
@@ -92,16 +94,41 @@ def clear_ir_caches() -> int:
     return cleared
 
 
+@contextmanager
+def settled_heap(collect: bool = True) -> Iterator[None]:
+    """Collect garbage, then keep the objects that exist now out of the timed region's GC.
+
+    Without this the collector rescans everything already built (torch's modules, DCP's
+    inputs for every rank, earlier results) during the timed code, a cost no real run of
+    either planner pays. ``collect=False`` also turns the collector off inside.
+    """
+    gc.collect()
+    gc.freeze()
+    if not collect:
+        gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
 def timed_plan(src: LayoutSpec, dst: LayoutSpec, warm: bool = False) -> dict[str, Any]:
-    """Plan ``src -> dst`` from freshly compiled layouts and return the plan's stats.
+    """Plan ``src -> dst`` from freshly compiled layouts; the plan's stats plus seconds per pass.
 
     Cold by default (IR caches emptied first): compiling the layouts is part of planning.
     """
     if not warm:
         clear_ir_caches()
-    gc.collect()  # garbage of the previous run should not be charged to this one
-    plan = plan_transition(Layout(src), Layout(dst), budget_bytes=BUDGET_BYTES, topology=H100)
-    stats = dict(plan.stats)
+    passes: dict[str, float] = {}
+
+    def trace(name: str, _out: Any, seconds: float) -> None:
+        passes[name] = passes.get(name, 0.0) + seconds
+
+    with settled_heap():
+        plan = plan_transition(Layout(src), Layout(dst), budget_bytes=BUDGET_BYTES,
+                               topology=H100, trace=trace)
+    stats = dict(plan.stats, pass_seconds=passes)
     del plan
     return stats
 
@@ -154,6 +181,7 @@ def headline_row(label: str, src_name: str, dst_name: str) -> dict[str, Any]:
         predicted_seconds=s["predicted_seconds"], lower_bound_seconds=s["lower_bound_seconds"],
         time_ratio=ratio(s["predicted_seconds"], s["lower_bound_seconds"]),
         peak_staging_bytes=s["peak_staging_bytes"], budget_bytes=s["budget_bytes"],
+        pass_seconds=s["pass_seconds"],
     )
 
 
@@ -192,7 +220,8 @@ def run_scaling(quick: bool) -> dict[str, Any]:
         rows.append(dict(ranks=w, src=f"tp8-pp4-dp{w // 32}", dst=f"tp8-pp8-dp{w // 64}",
                          plan_seconds=s["plan_seconds"],
                          seconds_per_rank=s["plan_seconds"] / w, transfers=s["transfers"],
-                         messages=s["messages"], rounds=s["rounds"]))
+                         messages=s["messages"], rounds=s["rounds"],
+                         pass_seconds=s["pass_seconds"]))
     xs, ys = [r["ranks"] for r in rows], [r["plan_seconds"] for r in rows]
     tail = [(x, y) for x, y in zip(xs, ys) if x >= TAIL_FROM]
     out = dict(model=SCALING_MODEL, transition="tp8-pp4-dpD -> tp8-pp8-dpD/2 (full state)",
@@ -201,9 +230,10 @@ def run_scaling(quick: bool) -> dict[str, Any]:
                tail_from_ranks=TAIL_FROM)
     print_table(
         f"2. Scaling: {SCALING_MODEL} TP8 PP4 DP d -> TP8 PP8 DP d/2, same world (full state)",
-        ["ranks", "plan s", "ms/rank", "transfers", "msgs", "rounds"],
+        ["ranks", "plan s", "ms/rank", "transfers", "msgs", "rounds", *PASS_COLUMNS],
         [[str(r["ranks"]), fmt(r["plan_seconds"]), fmt(r["seconds_per_rank"] * 1e3, ".3f"),
-          str(r["transfers"]), str(r["messages"]), str(r["rounds"])] for r in rows],
+          str(r["transfers"]), str(r["messages"]), str(r["rounds"]),
+          *(fmt(r["pass_seconds"].get(p)) for p in PASS_COLUMNS)] for r in rows],
     )
     print(f"log-log slope of plan seconds vs ranks: {fmt(out['exponent_all'])} over "
           f"{xs[0]}..{xs[-1]}; {fmt(out['exponent_tail'])} over ranks >= {TAIL_FROM}")
@@ -211,7 +241,6 @@ def run_scaling(quick: bool) -> dict[str, Any]:
 
 
 # ---- 3. PyTorch DCP's resharding planner --------------------------------------------------------
-
 
 def weights_only(name: str) -> LayoutSpec:
     """A shipped spec with its optimizer kinds removed (params only)."""
@@ -297,20 +326,22 @@ def dcp_load_planning(inputs: DCPInputs) -> dict[str, Any]:
 
     In a distributed load each rank builds its own local plan; here they run one after another,
     so the total is the work summed over ranks and the per-rank maximum is the critical path.
+    The collector is off: one process holding every rank's plans would otherwise pay full
+    collections that no single rank's process pays (this favours DCP).
     """
     from torch.distributed.checkpoint.default_planner import (
         DefaultLoadPlanner, create_default_local_load_plan)
 
-    gc.collect()
     plans, slowest = [], 0.0
-    t0 = time.perf_counter()
-    for sd in inputs.state_dicts:
-        t = time.perf_counter()
-        plans.append(create_default_local_load_plan(sd, inputs.metadata))
-        slowest = max(slowest, time.perf_counter() - t)
-    t1 = time.perf_counter()
-    plans = DefaultLoadPlanner().create_global_plan(plans)
-    t2 = time.perf_counter()
+    with settled_heap(collect=False):
+        t0 = time.perf_counter()
+        for sd in inputs.state_dicts:
+            t = time.perf_counter()
+            plans.append(create_default_local_load_plan(sd, inputs.metadata))
+            slowest = max(slowest, time.perf_counter() - t)
+        t1 = time.perf_counter()
+        plans = DefaultLoadPlanner().create_global_plan(plans)
+        t2 = time.perf_counter()
     read = sum(math.prod(item.lengths) for p in plans for item in p.items)
     if read != inputs.dst_elements:  # DCP must read exactly what the destination holds
         raise SystemExit(f"DCP plans read {read} elements; the destination holds "
@@ -331,10 +362,10 @@ def dcp_save_validation(inputs: DCPInputs) -> float:
 
     # Only len(global_plan) > 1 matters to it (it enables the volume check).
     plans = [SavePlan([]) for _ in range(inputs.src_ranks)]
-    gc.collect()
-    t = time.perf_counter()
-    errors = _validate_global_plan(plans, inputs.metadata)
-    elapsed = time.perf_counter() - t
+    with settled_heap():
+        t = time.perf_counter()
+        errors = _validate_global_plan(plans, inputs.metadata)
+        elapsed = time.perf_counter() - t
     if errors:  # the IR's source boxes must tile every tensor exactly
         raise SystemExit(f"DCP rejects the IR's source metadata: {errors[:3]}")
     return elapsed
@@ -380,7 +411,7 @@ def run_dcp(quick: bool) -> dict[str, Any]:
     rows = [dcp_row("70B tp8-pp4-dp4 -> tp8-pp8-dp2", weights_only("llama3.1-70b/tp8-pp4-dp4"),
                     weights_only("llama3.1-70b/tp8-pp8-dp2"), DCP_REPEATS)]
     if not quick:
-        w = DCP_WORLDS[1]
+        w = DCP_LARGE_WORLD
         rows.append(dcp_row(f"70B tp8-pp4-dp{w // 32} -> tp8-pp8-dp{w // 64}",
                             scaling_spec(w, 4, True), scaling_spec(w, 8, True), 1))
     print_dcp(rows)

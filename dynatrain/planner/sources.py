@@ -5,6 +5,8 @@ Ties break on rank, so every process computes the same plan from the same inputs
 
 from __future__ import annotations
 
+import heapq
+
 from ..ir.layout import DTYPE_BYTES
 from .intersect import Holders, Intersection
 from .plan import Transfer
@@ -23,7 +25,7 @@ def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices:
     """
     src_nodes = [node_of(d) for d in src_devices]
     rank_on_device = {d: r for r, d in enumerate(src_devices)}
-    load = [0] * len(src_devices)  # bytes each source rank sends to other devices
+    picker = _Picker(src_nodes)
     elem_bytes: dict[tuple[str, tuple[str, ...]], int] = {}
     out: list[Transfer] = []
     remote = 0
@@ -38,26 +40,71 @@ def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices:
                     DTYPE_BYTES.get(dtypes[(e.key, k)], 8) for k in ans.kinds)
             for box, holders in ans.parts:
                 nbytes = box.numel * eb
-                rank, h = _choose(holders, here, dst_node, src_nodes, load)
+                rank, h = picker.choose(holders, here, dst_node)
                 if rank != here:
-                    load[rank] += nbytes
+                    picker.add_load(rank, nbytes)
                     remote += nbytes
                 out.append(Transfer(e.key, ans.kinds, box, rank, dst_rank, h.slot, h.anchor,
                                     e.slot, e.box, nbytes))
     return out, remote
 
 
-def _choose(holders: tuple[Holders, ...], here: int, dst_node: str, src_nodes: list[str],
-            load: list[int]) -> tuple[int, Holders]:
-    if len(holders) == 1 and len(holders[0].ranks) == 1:
-        return holders[0].ranks[0], holders[0]
-    best: tuple | None = None
-    for h in holders:
-        if here in h.ranks:
-            return here, h
-        for r in h.ranks:
-            score = (src_nodes[r] != dst_node, load[r], r)
-            if best is None or score < best[0]:
-                best = (score, r, h)
-    assert best is not None
-    return best[1], best[2]
+class _Picker:
+    """Chooses among holders in time independent of how many replicas hold a part.
+
+    Per holder group (shared by many parts) it keeps a set for the same-device test, its ranks
+    per node, and a heap of (load, rank) whose stale entries are refreshed when popped: the
+    least-loaded remote sender costs O(log n), not a scan of every DP replica.
+    """
+
+    def __init__(self, src_nodes: list[str]) -> None:
+        self.src_nodes = src_nodes
+        self.load = [0] * len(src_nodes)  # bytes each source rank sends to other devices
+        self.groups: dict[int, tuple[Holders, frozenset[int], dict[str, list[int]], list]] = {}
+        self.lists: dict[int, tuple[tuple[Holders, ...], list]] = {}
+
+    def add_load(self, rank: int, nbytes: int) -> None:
+        self.load[rank] += nbytes
+
+    def _group(self, h: Holders):
+        g = self.groups.get(id(h))
+        if g is None:
+            by_node: dict[str, list[int]] = {}
+            for r in h.ranks:
+                by_node.setdefault(self.src_nodes[r], []).append(r)
+            heap = [(self.load[r], r) for r in h.ranks]
+            heapq.heapify(heap)
+            g = self.groups[id(h)] = (h, frozenset(h.ranks), by_node, heap)  # h: keeps id alive
+        return g
+
+    def _least_loaded(self, heap: list) -> tuple[int, int]:
+        while True:
+            load, r = heap[0]
+            if load == self.load[r]:
+                return load, r
+            heapq.heapreplace(heap, (self.load[r], r))
+
+    def choose(self, holders: tuple[Holders, ...], here: int, dst_node: str
+               ) -> tuple[int, Holders]:
+        if len(holders) == 1 and len(holders[0].ranks) == 1:
+            return holders[0].ranks[0], holders[0]
+        hit = self.lists.get(id(holders))
+        if hit is None:  # the tuple rides along to keep its id from being reused
+            hit = self.lists[id(holders)] = (holders, [self._group(h) for h in holders])
+        groups = hit[1]
+        for h, members, _, _ in groups:
+            if here in members:
+                return here, h
+        best: tuple | None = None
+        for h, _, by_node, _ in groups:  # same node: a handful of ranks at most
+            for r in by_node.get(dst_node, ()):
+                score = (self.load[r], r)
+                if best is None or score < best[0]:
+                    best = (score, r, h)
+        if best is None:
+            for h, _, _, heap in groups:
+                score = self._least_loaded(heap)
+                if best is None or score < best[0]:
+                    best = (score, score[1], h)
+        assert best is not None
+        return best[1], best[2]

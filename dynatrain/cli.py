@@ -203,11 +203,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _per_device_table(plan) -> list[str]:
     """Every device: bytes in and out over NVLink and the network, local copies, busy time."""
     from .planner.cost import link_bytes
+    from .report.heatmap import device_order
 
     per = link_bytes(list(plan.messages()))
     rank_of_src = {d: r for r, d in enumerate(plan.src_devices)}
     rank_of_dst = {d: r for r, d in enumerate(plan.dst_devices)}
-    devices = sorted(set(plan.src_devices) | set(plan.dst_devices), key=_device_order)
+    devices = device_order(plan)
     out = ["  per device            src  dst   nvl out    nvl in   net out    net in     local"]
     for d in devices:
         lb = per.get(d)
@@ -215,11 +216,6 @@ def _per_device_table(plan) -> list[str]:
         out.append(f"    {d:<18} {rank_of_src.get(d, '-'):>4} {rank_of_dst.get(d, '-'):>4} "
                    + " ".join(f"{_fmt_bytes(c):>9}" for c in cols))
     return out
-
-
-def _device_order(device: str) -> tuple:
-    """node2:gpu10 after node2:gpu9 (numeric, not lexicographic)."""
-    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", device))
 
 
 def build_parser() -> argparse.ArgumentParser:

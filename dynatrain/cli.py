@@ -87,7 +87,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         f"{logical_parameter_count(layout) / 1e9:.2f} B parameters"
         + (f", {m.num_moe_experts} experts top-{m.moe_router_topk}" if m.num_moe_experts else "")
         + f", vocab {m.vocab_size} -> {layout.padded_vocab} padded",
-        f"  stages  " + " | ".join(
+        "  stages  " + " | ".join(
             f"pp{pp}:" + "+".join(str(len(c.layers)) for c in layout.chunks(pp))
             for pp in range(p.pp)),
         f"  optim   {'distributed' if p.use_distributed_optimizer else 'replicated'}"

@@ -120,7 +120,7 @@ def _match(weight: dict[tuple[int, int], int], nblocks: int) -> dict[int, int]:
         pairs = nx.max_weight_matching(g)
         out = {}
         for u, v in pairs:
-            (bu, b), (_, s) = (u, v) if u[0] == "b" else (v, u)
+            (_, b), (_, s) = (u, v) if u[0] == "b" else (v, u)
             out[b] = s
         return out
     out, taken = {}, set()

@@ -29,6 +29,8 @@ class Topology(BaseModel):
     inter_node_GBps: float = Field(50.0, gt=0)  # one 400 Gb/s NIC per GPU
     local_copy_GBps: float = Field(1500.0, gt=0)  # device-to-device copy within HBM
     latency_us: float = Field(20.0, ge=0)  # per round: launch + synchronization
+    # Device memory (GB) that live state plus staging must fit in; None leaves it unchecked.
+    memory_GB: float | None = Field(80.0, gt=0)
 
 
 H100 = Topology()

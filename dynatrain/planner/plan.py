@@ -59,9 +59,36 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class Round:
-    """Messages that run together; a device's staging in a round stays within the budget."""
+    """Messages that run together; a device's staging in a round stays within the budget.
+
+    ``order`` gives, per device, the indices (into ``messages``) of the messages it sends or
+    receives, in the order it runs them. A runtime that blocks on each message until its peer
+    arrives needs every two devices to agree on the order of what they share; the verifier
+    proves that they do (no cycle of waits). Empty means the order of ``messages``.
+    """
 
     messages: tuple[Message, ...]
+    order: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def device_order(self) -> dict[str, tuple[int, ...]]:
+        """Per device, its message indices in run order (``order``, or the default)."""
+        if self.order:
+            return dict(self.order)
+        return dict(message_order(self.messages))
+
+
+def message_order(messages: tuple[Message, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Every device runs its messages in ``messages`` order (a local copy counts once).
+
+    One global sequence cannot deadlock: the first unfinished message in it is the first
+    unfinished one of both its devices.
+    """
+    per: dict[str, list[int]] = {}
+    for i, m in enumerate(messages):
+        per.setdefault(m.src_device, []).append(i)
+        if m.dst_device != m.src_device:
+            per.setdefault(m.dst_device, []).append(i)
+    return tuple((d, tuple(ix)) for d, ix in sorted(per.items()))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections import defaultdict
 from ..ir.box import Box
 from .intersect import PlanError
 from .cost import Topology
-from .plan import Message, Round, Transfer
+from .plan import Message, Round, Transfer, message_order
 from .sources import node_of
 
 
@@ -126,7 +126,11 @@ def schedule_rounds(messages: list[Message], budget: int, topo: Topology | None 
         rounds[i].append(m)
     rounds = [r for r in rounds if r] or [[]]
     rounds[0][:0] = local  # local copies run in the first round, beside the exchanges
-    return [Round(tuple(sorted(r, key=lambda m: (m.src_device, m.dst_device)))) for r in rounds]
+    out = []
+    for r in rounds:
+        msgs = tuple(sorted(r, key=lambda m: (m.src_device, m.dst_device)))
+        out.append(Round(msgs, message_order(msgs)))
+    return out
 
 
 def _pack(jobs: list[tuple[int, int, int, int, int, float]], n: int, half: int,

@@ -9,7 +9,9 @@ from ..ir.errors import DynatrainError
 from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot
 from .plan import Message, Plan, Round, Transfer
 
-FORMAT = "dynatrain.plan/1"
+FORMAT = "dynatrain.plan/2"
+# /1 had no per-device order (read as the message order) and no embedded specs.
+READABLE = ("dynatrain.plan/1", FORMAT)
 
 
 def _slot(s: Slot) -> list:
@@ -38,15 +40,21 @@ def _unbox(v: list) -> Box:
     return Box(tuple(int(x) for x in v[0]), tuple(int(x) for x in v[1]))
 
 
-def plan_to_json(plan: Plan) -> dict[str, Any]:
-    """A JSON-able document of ``plan`` (format ``dynatrain.plan/1``)."""
-    return {
+def plan_to_json(plan: Plan, src_spec: dict | None = None,
+                 dst_spec: dict | None = None) -> dict[str, Any]:
+    """A JSON-able document of ``plan`` (format ``dynatrain.plan/2``).
+
+    ``src_spec``/``dst_spec`` (plain spec documents, the destination with the devices the plan
+    placed it on) make the file self-contained: ``dynatrain verify`` needs nothing else.
+    """
+    doc: dict[str, Any] = {
         "format": FORMAT,
         "src": plan.src_name, "dst": plan.dst_name,
         "src_devices": list(plan.src_devices), "dst_devices": list(plan.dst_devices),
         "budget_bytes": plan.budget_bytes,
         "derived": list(plan.derived),
         "summary": dict(plan.stats),
+        "order": [{d: list(ix) for d, ix in r.device_order().items()} for r in plan.rounds],
         "rounds": [[{
             "src_device": m.src_device, "dst_device": m.dst_device,
             "transfers": [[t.key, list(t.kinds), _box(t.box), t.src_rank, t.dst_rank,
@@ -54,21 +62,31 @@ def plan_to_json(plan: Plan) -> dict[str, Any]:
                            _box(t.dst_anchor), t.nbytes] for t in m.transfers],
         } for m in r.messages] for r in plan.rounds],
     }
+    if src_spec is not None:
+        doc["src_spec"] = src_spec
+    if dst_spec is not None:
+        doc["dst_spec"] = dst_spec
+    return doc
 
 
 def plan_from_json(doc: dict[str, Any]) -> Plan:
     """Read a plan back; raises ``DynatrainError`` on a document of another format."""
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") not in READABLE:
         raise DynatrainError(f"plan: not a {FORMAT} document")
     try:
+        orders = doc.get("order") or [{}] * len(doc["rounds"])
+        if len(orders) != len(doc["rounds"]):
+            raise ValueError(f"{len(orders)} orders for {len(doc['rounds'])} rounds")
         rounds = tuple(Round(tuple(Message(m["src_device"], m["dst_device"], tuple(
             Transfer(str(t[0]), tuple(t[1]), _unbox(t[2]), int(t[3]), int(t[4]), _unslot(t[5]),
                      _unbox(t[6]), _unslot(t[7]), _unbox(t[8]), int(t[9]))
-            for t in m["transfers"])) for m in r)) for r in doc["rounds"])
+            for t in m["transfers"])) for m in r),
+            tuple((str(d), tuple(int(i) for i in ix)) for d, ix in sorted(o.items())))
+            for r, o in zip(doc["rounds"], orders))
         plan = Plan(str(doc["src"]), str(doc["dst"]), tuple(doc["src_devices"]),
                     tuple(doc["dst_devices"]), rounds, int(doc["budget_bytes"]),
                     tuple(str(k) for k in doc.get("derived", ())))
-    except (KeyError, IndexError, TypeError, ValueError) as err:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
         raise DynatrainError(f"plan: malformed document ({err.__class__.__name__}: {err})") from None
     plan.stats.update(doc.get("summary", {}))
     return plan

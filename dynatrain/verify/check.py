@@ -1,0 +1,87 @@
+"""``verify(plan, src, dst)``: check a plan against both layouts before any byte moves.
+
+Five rules (``report.RULES``), each recomputed from the layouts and the plan's own records:
+
+1. coverage — every element of every destination region is written exactly once;
+2. source — every transfer reads a region its sending device holds, of the same tensor, state
+   kind and dtype;
+3. expert — each expert element has one owner per expert-data-parallel replica in the
+   destination, and no transfer writes expert state to a device that does not own it;
+4. deadlock — the per-device message orders of every round admit one global order;
+5. memory — staging per device and round within the budget, live state within capacity.
+
+The checks are exact integer sort-and-scan work (see ``tiling``); ``lemmas`` proves with z3 the
+region arithmetic they and the planner rely on, for all sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from ..ir.layout import Layout
+from ..ir.state import StateView
+from ..planner.cost import Topology
+from ..planner.plan import Plan
+from .data import check_data
+from .memory import check_memory
+from .order import check_deadlock
+from .ownership import check_expert_ownership
+from .report import VerificationError, Violation, VerifyReport
+
+
+def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None,
+           limit: int = 50) -> VerifyReport:
+    """Every violation of the five rules by ``plan`` moving ``src``'s state into ``dst``.
+
+    ``dst`` may place its ranks on other devices than the plan does (``--place auto``): the
+    plan's device list must then be a permutation of ``dst``'s. ``topology`` gives the device
+    memory capacity (None: only the staging budget is checked). At most ``limit`` violations
+    are kept per rule; the report counts the rest.
+    """
+    t0 = time.perf_counter()
+    kept: list[Violation] = []
+    per_rule: Counter[str] = Counter()
+
+    def emit(v: Violation) -> None:
+        per_rule[v.rule] += 1
+        if per_rule[v.rule] <= limit:
+            kept.append(v)
+
+    sv, dv = StateView(src), StateView(dst)
+    checked: dict = {"rounds": len(plan.rounds)}
+    if _devices_match(plan, src, dst, emit):
+        checked["transfers"] = check_data(plan, sv, dv, emit)
+        checked["expert_replicas"] = check_expert_ownership(dv, plan.dst_devices, emit)
+        capacity = None
+        if topology is not None and topology.memory_GB is not None:
+            capacity = int(topology.memory_GB * 1e9)
+        checked.update(check_memory(plan, sv, dv, capacity, emit))
+    check_deadlock(plan, emit)
+    dropped = sum(max(0, n - limit) for n in per_rule.values())
+    return VerifyReport(tuple(kept), checked, time.perf_counter() - t0, dropped)
+
+
+def check(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None) -> VerifyReport:
+    """``verify``, raising ``VerificationError`` (with every violation) if any rule fails."""
+    report = verify(plan, src, dst, topology)
+    if not report.ok:
+        raise VerificationError(report)
+    return report
+
+
+def _devices_match(plan: Plan, src: Layout, dst: Layout, emit) -> bool:
+    """The plan runs on the layouts' devices: the source's as they are, the destination's in
+    any one-to-one placement. Without that, no transfer can be checked."""
+    ok = True
+    if tuple(plan.src_devices) != tuple(src.devices):
+        emit(Violation("source", f"the plan's source devices ({len(plan.src_devices)}) are not "
+                       f"the source layout's ({len(src.devices)})",
+                       devices=tuple(sorted(set(plan.src_devices) ^ set(src.devices)))[:8]))
+        ok = False
+    if sorted(plan.dst_devices) != sorted(dst.devices):
+        emit(Violation("coverage", f"the plan's destination devices ({len(plan.dst_devices)}) "
+                       f"are not a placement of the destination layout's ({len(dst.devices)})",
+                       devices=tuple(sorted(set(plan.dst_devices) ^ set(dst.devices)))[:8]))
+        ok = False
+    return ok

@@ -1,0 +1,81 @@
+"""What the verifier found: violations of named rules, each with a witness.
+
+A witness is concrete evidence a person can check by hand: for the data rules (coverage, source,
+expert) one coordinate of the logical tensor that is wrong; for deadlock the cycle of messages
+that wait on each other; for memory the round, device and bytes over the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir.errors import DynatrainError
+
+RULES = ("coverage", "source", "expert", "deadlock", "memory")
+RULE_TEXT = {
+    "coverage": "every destination element is written exactly once",
+    "source": "every transfer reads what its sending device holds",
+    "expert": "each expert has one owner per expert-data-parallel replica and only it receives",
+    "deadlock": "every device runs its messages in an order with no cycle of waits",
+    "memory": "staging stays within the budget and live state within device memory",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken rule instance.
+
+    ``witness``: for coverage/source/expert, a coordinate in tensor ``key``; for deadlock, the
+    messages of a wait cycle as ``(round, index)`` pairs; for memory, ``(round, bytes, limit)``.
+    """
+
+    rule: str
+    detail: str
+    key: str | None = None
+    kind: str | None = None
+    ranks: tuple[int, ...] = ()
+    devices: tuple[str, ...] = ()
+    witness: tuple = ()
+
+    def __str__(self) -> str:
+        where = f"{self.key} [{self.kind}] " if self.key else ""
+        at = f" at {list(self.witness)}" if self.witness and self.key else ""
+        return f"{self.rule}: {where}{self.detail}{at}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Every violation found (at most ``limit`` kept per rule; ``dropped`` counts the rest)."""
+
+    violations: tuple[Violation, ...]
+    checked: dict
+    seconds: float
+    dropped: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.dropped
+
+    def rules(self) -> set[str]:
+        return {v.rule for v in self.violations}
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (f"verified: {', '.join(RULES)} hold "
+                    f"({self.checked.get('transfers', 0)} transfers, {self.seconds:.2f} s)")
+        lines = [f"verification failed: {len(self.violations) + self.dropped} violation(s)"]
+        lines += [f"  {v}" for v in self.violations]
+        if self.dropped:
+            lines.append(f"  ... and {self.dropped} more")
+        return "\n".join(lines)
+
+
+class VerificationError(DynatrainError):
+    """A plan broke at least one rule; ``report`` holds every violation."""
+
+    def __init__(self, report: VerifyReport) -> None:
+        self.report = report
+        first = report.violations[0] if report.violations else None
+        more = len(report.violations) + report.dropped - 1
+        super().__init__(f"plan fails verification: {first}"
+                         + (f" (and {more} more)" if more > 0 else ""))

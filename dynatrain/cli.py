@@ -1,4 +1,4 @@
-"""``dynatrain`` command line: inspect layouts and plan switches between them.
+"""``dynatrain`` command line: inspect layouts, plan switches between them, verify plans.
 
 Bad input prints one line naming the field and the rule, and exits with status 2.
 """
@@ -15,8 +15,10 @@ from typing import Sequence
 from .ir.errors import DynatrainError
 from .ir.facts import rank_facts
 from .ir.layout import Layout
-from .ir.loader import load_spec
+from .ir.loader import load_spec, spec_from_dict, spec_to_dict
 from .ir.summary import bytes_by_kind, largest_tensors, logical_parameter_count
+from .verify.check import verify
+from .verify.report import VerificationError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -141,9 +143,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
     topo = load_topology(args.topology)
     plan = plan_transition(src, dst, parse_bytes(args.budget), topo, place=args.place)
+    report = verify(plan, src, dst, topo)
     st = plan.stats
+    st["verify_seconds"] = report.seconds
+    if not report.ok:  # never emit a plan that fails: say why, rule by rule
+        print(report, file=sys.stderr)
+        raise VerificationError(report)
     if args.json:
-        _write(args.json, json.dumps(plan_to_json(plan), separators=(",", ":")), "--json")
+        doc = plan_to_json(plan, spec_to_dict(src.spec), spec_to_dict(dst.spec, plan.dst_devices))
+        _write(args.json, json.dumps(doc, separators=(",", ":")), "--json")
     if args.heatmap:
         from .report.heatmap import write_heatmap
 
@@ -181,7 +189,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"(budget {_fmt_bytes(st['budget_bytes'])})",
         f"  time    {st['predicted_seconds']:.3f} s predicted on {st['topology']} "
         f"(lower bound {st['lower_bound_seconds']:.3f} s, {ratio:.2f}x)",
-        f"  planned in {st['plan_seconds']:.2f} s ({st['transfers']} transfers)",
+        f"  planned in {st['plan_seconds']:.2f} s ({st['transfers']} transfers), verified in "
+        f"{report.seconds:.2f} s (coverage, sources, expert owners, deadlock, memory)",
     ]
     if "naive_bytes_moved" in st:
         naive = st["naive_bytes_moved"]
@@ -218,6 +227,38 @@ def _per_device_table(plan) -> list[str]:
     return out
 
 
+MAX_PLAN_BYTES = 1 << 31  # a plan file larger than this is refused, not read
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .planner.cost import load_topology
+    from .planner.serialize import plan_from_json
+
+    try:
+        with open(args.plan, "rb") as f:
+            data = f.read(MAX_PLAN_BYTES + 1)
+    except OSError as err:
+        raise DynatrainError(f"{args.plan}: cannot read ({err.strerror or err})") from None
+    if len(data) > MAX_PLAN_BYTES:
+        raise DynatrainError(f"{args.plan}: a plan file must be at most {MAX_PLAN_BYTES} bytes")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as err:
+        raise DynatrainError(f"{args.plan}: not JSON ({str(err).splitlines()[0][:80]})") from None
+    plan = plan_from_json(doc)
+    specs = []
+    for side, path in (("src", args.src), ("dst", args.dst)):
+        if path is not None:
+            specs.append(load_spec(path))
+        elif isinstance(doc.get(f"{side}_spec"), dict):
+            specs.append(spec_from_dict(doc[f"{side}_spec"], f"{args.plan}: {side}_spec"))
+        else:
+            raise DynatrainError(f"{args.plan}: no {side}_spec in the plan; pass --{side} SPEC")
+    report = verify(plan, Layout(specs[0]), Layout(specs[1]), load_topology(args.topology))
+    print(report)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="dynatrain", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -244,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--per-device", action="store_true",
                     help="also print every device's traffic per link")
     pl.set_defaults(func=cmd_plan)
+    ve = sub.add_parser("verify", help="re-verify a saved plan (exit 1 if it breaks a rule)")
+    ve.add_argument("plan", metavar="PLAN.json")
+    ve.add_argument("--src", metavar="SPEC", help="source spec (default: the one in the plan)")
+    ve.add_argument("--dst", metavar="SPEC",
+                    help="destination spec (default: the one in the plan, with its placement)")
+    ve.add_argument("--topology", default="h100",
+                    help="h100, h800 or a topology YAML file (device memory capacity)")
+    ve.set_defaults(func=cmd_verify)
     return ap
 
 

@@ -21,11 +21,11 @@ def test_plan_prints_summary_and_writes_json(tmp_path, capsys) -> None:
     doc = json.loads(out.read_text())
     for field in ("bytes_moved", "bytes_lower_bound", "bytes_local", "messages", "rounds",
                   "peak_staging_bytes", "budget_bytes", "predicted_seconds",
-                  "lower_bound_seconds", "plan_seconds"):
+                  "lower_bound_seconds", "plan_seconds", "verify_seconds"):
         assert field in doc["summary"], field
     assert doc["summary"]["bytes_moved"] == doc["summary"]["bytes_lower_bound"]
     assert doc["summary"]["peak_staging_bytes"] <= doc["summary"]["budget_bytes"]
-    again = plan_to_json(plan_from_json(doc))
+    again = plan_to_json(plan_from_json(doc), doc["src_spec"], doc["dst_spec"])
     assert again == doc
 
 

@@ -275,3 +275,14 @@ def _shown(value: Any) -> Any:
 
 def _kind(value: Any) -> str:
     return "nothing" if value is None else type(value).__name__
+
+
+def spec_to_dict(spec: LayoutSpec, devices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A plain document of ``spec`` that ``spec_from_dict`` reads back to an equal spec.
+
+    ``devices``: run the ranks on these devices instead (a placement chosen by the planner).
+    """
+    doc = spec.model_dump(mode="json", exclude_none=True)
+    if devices is not None:
+        doc["world"] = {"devices": list(devices)}
+    return doc

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from ..ir.box import Box
 from ..ir.state import StateView, Stored
-from ..planner.plan import Plan, Transfer
+from ..planner.plan import Message, Plan, Transfer
 from .report import Violation
 from .tiling import inside, outside_point, tiling_fault, well_formed
 
@@ -72,79 +72,113 @@ def expert_keys(view: StateView) -> frozenset[str]:
 def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit) -> int:
     """Check every transfer's source and the tiling of every destination region.
 
-    Returns the number of transfers checked.
+    Returns the number of transfers checked. The loop runs once per transfer of plans with
+    hundreds of thousands of them, so the common case is inlined and the rest memoized:
+    element sizes per (key, kinds), source lookups per (rank, region).
     """
     s_hold, d_hold = Holdings(src), Holdings(dst)
-    s_tensors, d_tensors = src.tensors(), dst.tensors()
-    experts = expert_keys(dst)
-    derived = set(plan.derived)
+    elem_bytes = _ElementBytes(src, dst)
     s_world, d_world = src.layout.world, dst.layout.world
-    dtype_ok: dict[tuple[str, str], bool] = {}
+    s_dev, d_dev = plan.src_devices, plan.dst_devices
+    held: dict[tuple, tuple[str, ...] | None] = {}
     writes: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
     count = 0
     for r, rnd in enumerate(plan.rounds):
         for m in rnd.messages:
             for t in m.transfers:
                 count += 1
-                if not (0 <= t.src_rank < s_world and 0 <= t.dst_rank < d_world):
-                    emit(Violation("source", f"transfer {t} names a rank outside the layouts "
+                sr, dr = t.src_rank, t.dst_rank
+                if not (0 <= sr < s_world and 0 <= dr < d_world):
+                    emit(Violation("source", f"is sent from rank {sr} to rank {dr}, outside the layouts "
                                    f"(source world {s_world}, destination world {d_world})",
-                                   t.key, ",".join(t.kinds), (t.src_rank, t.dst_rank)))
+                                   t.key, ",".join(t.kinds), (sr, dr), (), t.box.lo))
                     continue
-                if plan.src_devices[t.src_rank] != m.src_device:
-                    emit(Violation("source", f"round {r}: message from {m.src_device} carries a "
-                                   f"transfer from rank {t.src_rank}, which runs on "
-                                   f"{plan.src_devices[t.src_rank]}", t.key, ",".join(t.kinds),
-                                   (t.src_rank,), (m.src_device,), t.box.lo))
-                if plan.dst_devices[t.dst_rank] != m.dst_device:
-                    emit(Violation("coverage", f"round {r}: message to {m.dst_device} carries a "
-                                   f"transfer for rank {t.dst_rank}, which runs on "
-                                   f"{plan.dst_devices[t.dst_rank]}", t.key, ",".join(t.kinds),
-                                   (t.dst_rank,), (m.dst_device,), t.box.lo))
-                _check_source(t, m.src_device, s_hold, emit)
-                size = 0
-                for k in t.kinds:
-                    ok = dtype_ok.get((t.key, k))
-                    if ok is None:
-                        a, b = s_tensors.get((t.key, k)), d_tensors.get((t.key, k))
-                        ok = dtype_ok[(t.key, k)] = (a is not None and b is not None
-                                                     and a.dtype == b.dtype
-                                                     and a.dtype in ITEMSIZE)
-                    if not ok:
-                        emit(Violation("source", f"no tensor of this kind with one dtype on both "
-                                       "sides", t.key, k, (t.src_rank, t.dst_rank), (),
-                                       t.box.lo))
-                        continue
-                    size += ITEMSIZE[d_tensors[(t.key, k)].dtype]
-                if well_formed(t.box, len(t.box.lo)) and t.nbytes != size * t.box.numel:
-                    emit(Violation("memory", f"round {r}: transfer {t} declares {t.nbytes} "
-                                   f"bytes but moves {size * t.box.numel}", t.key,
-                                   ",".join(t.kinds), (t.src_rank, t.dst_rank),
-                                   (m.src_device, m.dst_device), t.box.lo))
-                writes[(t.dst_rank, (t.key, t.dst_slot, t.dst_anchor))].append(t)
-    _check_coverage(dst, d_hold, writes, derived, experts, plan.dst_devices, emit)
+                if s_dev[sr] != m.src_device or d_dev[dr] != m.dst_device:
+                    _wrong_device(r, m, t, s_dev, d_dev, emit)
+                where = (sr, t.key, t.src_slot, t.src_anchor)
+                kinds = held.get(where, ())
+                if kinds == ():
+                    s = s_hold.find(sr, (t.key, t.src_slot, t.src_anchor))
+                    kinds = held[where] = s.kinds if s is not None else None
+                box, anchor = t.box, t.src_anchor
+                n = 1
+                fits = kinds is not None and len(box.lo) == len(anchor.lo) == len(box.hi)
+                if fits:
+                    for l, h, a, z in zip(box.lo, box.hi, anchor.lo, anchor.hi):
+                        if not a <= l < h <= z:
+                            fits = False
+                            break
+                        n *= h - l
+                if not fits or not set(t.kinds) <= set(kinds):
+                    _check_source(t, m.src_device, kinds, emit)
+                size = elem_bytes.get(t, emit)
+                if fits and size is not None and t.nbytes != size * n:
+                    emit(Violation("memory", f"round {r}: a transfer {box} declares {t.nbytes} "
+                                   f"bytes but moves {size * n}", t.key, ",".join(t.kinds),
+                                   (sr, dr), (m.src_device, m.dst_device), box.lo))
+                writes[(dr, (t.key, t.dst_slot, t.dst_anchor))].append(t)
+    _check_coverage(dst, d_hold, writes, set(plan.derived), expert_keys(dst), d_dev, emit)
     return count
 
 
-def _check_source(t: Transfer, device: str, hold: Holdings, emit: Emit) -> None:
-    s = hold.find(t.src_rank, (t.key, t.src_slot, t.src_anchor))
-    kinds = ",".join(t.kinds)
-    if s is None:
-        emit(Violation("source", f"source rank {t.src_rank} ({device}) holds no region "
-                       f"{t.src_anchor} in {t.src_slot}", t.key, kinds, (t.src_rank,),
+class _ElementBytes:
+    """Bytes per element of a transfer (summed over its kinds); None if some kind has no
+    tensor of one dtype on both sides (reported once per transfer)."""
+
+    def __init__(self, src: StateView, dst: StateView) -> None:
+        self.s, self.d = src.tensors(), dst.tensors()
+        self.memo: dict[tuple[str, tuple[str, ...]], int | None] = {}
+
+    def get(self, t: Transfer, emit: Emit) -> int | None:
+        k = (t.key, t.kinds)
+        if k not in self.memo:
+            size: int | None = 0
+            for kind in t.kinds:
+                a, b = self.s.get((t.key, kind)), self.d.get((t.key, kind))
+                if a is None or b is None or a.dtype != b.dtype or a.dtype not in ITEMSIZE:
+                    size = None
+                    break
+                size += ITEMSIZE[a.dtype]
+            self.memo[k] = size
+        size = self.memo[k]
+        if size is None:
+            emit(Violation("source", "has no tensor of one dtype for each of these kinds on both "
+                           "sides", t.key, ",".join(t.kinds), (t.src_rank, t.dst_rank), (),
+                           t.box.lo))
+        return size
+
+
+def _wrong_device(r: int, m: Message, t: Transfer, s_dev: tuple[str, ...],
+                  d_dev: tuple[str, ...], emit: Emit) -> None:
+    if s_dev[t.src_rank] != m.src_device:
+        emit(Violation("source", f"round {r}: is sent by {m.src_device} for source rank "
+                       f"{t.src_rank}, which runs on {s_dev[t.src_rank]}", t.key,
+                       ",".join(t.kinds), (t.src_rank,), (m.src_device,), t.box.lo))
+    if d_dev[t.dst_rank] != m.dst_device:
+        emit(Violation("coverage", f"round {r}: is sent to {m.dst_device} for destination rank "
+                       f"{t.dst_rank}, which runs on {d_dev[t.dst_rank]}", t.key,
+                       ",".join(t.kinds), (t.dst_rank,), (m.dst_device,), t.box.lo))
+
+
+def _check_source(t: Transfer, device: str, kinds: tuple[str, ...] | None, emit: Emit) -> None:
+    """The slow path: say exactly what is wrong with a transfer's source."""
+    what = ",".join(t.kinds)
+    if kinds is None:
+        emit(Violation("source", f"is read from source rank {t.src_rank} ({device}), which holds "
+                       f"no region {t.src_anchor} in {t.src_slot}", t.key, what, (t.src_rank,),
                        (device,), t.box.lo))
         return
-    missing = [k for k in t.kinds if k not in s.kinds]
+    missing = [k for k in t.kinds if k not in kinds]
     if missing:
-        emit(Violation("source", f"source rank {t.src_rank} ({device}) holds {t.src_anchor} for "
-                       f"{','.join(s.kinds)}, not {','.join(missing)}", t.key, kinds,
+        emit(Violation("source", f"is read from source rank {t.src_rank} ({device}), which holds "
+                       f"{t.src_anchor} for {','.join(kinds)}, not {','.join(missing)}", t.key, what,
                        (t.src_rank,), (device,), t.box.lo))
     if not well_formed(t.box, len(t.src_anchor.lo)):
-        emit(Violation("source", f"transfer box {t.box} is empty or of the wrong rank", t.key,
-                       kinds, (t.src_rank,), (device,), t.box.lo))
+        emit(Violation("source", f"is read as box {t.box}, empty or of the wrong rank", t.key,
+                       what, (t.src_rank,), (device,), t.box.lo))
     elif not inside(t.box, t.src_anchor):
-        emit(Violation("source", f"reads {t.box} beyond the region {t.src_anchor} that source "
-                       f"rank {t.src_rank} ({device}) holds", t.key, kinds, (t.src_rank,),
+        emit(Violation("source", f"is read from source rank {t.src_rank} ({device}), outside the "
+                       f"region {t.src_anchor} it holds there", t.key, what, (t.src_rank,),
                        (device,), outside_point(t.box, t.src_anchor)))
 
 
@@ -160,32 +194,34 @@ def _check_coverage(dst: StateView, hold: Holdings,
                 groups = [(needed, [t.box for t in ws])]  # common case: one check for all kinds
             else:
                 groups = [((k,), [t.box for t in ws if k in t.kinds]) for k in needed]
+            faults: dict[tuple, list[str]] = {}  # one line for kinds that fail alike
             for kinds, boxes in groups:
                 fault = tiling_fault(s.box, boxes)
-                if fault is None:
-                    continue
-                what = {"empty": "gets an empty or malformed box",
-                        "outside": f"gets a box beyond its region {s.box}",
-                        "twice": "is written twice", "missing": "is never written"}[fault.what]
-                senders = tuple(sorted({ws[i].src_rank for i in fault.boxes})) if (
-                    len(boxes) == len(ws)) else ()
-                emit(Violation("coverage", f"destination rank {rank} ({devices[rank]}) element "
-                               f"{what}" + (f" (from source ranks {list(senders)})"
-                                            if senders else ""),
-                               s.key, ",".join(kinds), (rank,), (devices[rank],), fault.point))
+                if fault is not None:
+                    senders = tuple(sorted({ws[i].src_rank for i in fault.boxes})) if (
+                        len(boxes) == len(ws)) else ()
+                    faults.setdefault((fault.what, fault.point, senders), []).extend(kinds)
+            for (what, point, senders), kinds in faults.items():
+                text = {"empty": "is written as an empty or malformed box",
+                        "outside": f"is written outside its region {s.box}",
+                        "twice": "is written twice", "missing": "is never written"}[what]
+                if senders:
+                    text += f" (by transfers from source ranks {list(senders)})"
+                emit(Violation("coverage", f"{text} on destination rank {rank} ({devices[rank]})",
+                               s.key, ",".join(kinds), (rank,), (devices[rank],), point))
             extra = {k for t in ws for k in t.kinds} - set(needed)
             for k in sorted(extra):
                 why = "is derived, never sent" if k in derived else "is not held in this slot"
-                emit(Violation("coverage", f"destination rank {rank} is sent kind {k}, which "
+                emit(Violation("coverage", f"is sent to destination rank {rank} as kind {k}, which "
                                f"{why}", s.key, k, (rank,), (devices[rank],), s.box.lo))
     for (rank, (key, slot, anchor)), ws in writes.items():  # targets the layout does not have
         t = ws[0]
         point = tuple(t.box.lo)
         if key in experts and not hold.holds_point(rank, key, point):
-            emit(Violation("expert", f"expert state is written to destination rank {rank} "
-                           f"({devices[rank]}), which does not own this expert",
+            emit(Violation("expert", f"is written to destination rank {rank} ({devices[rank]}), "
+                           "which does not own this expert",
                            key, ",".join(t.kinds), (rank,), (devices[rank],), point))
         else:
-            emit(Violation("coverage", f"destination rank {rank} ({devices[rank]}) has no "
-                           f"region {anchor} in {slot}", key, ",".join(t.kinds), (rank,),
+            emit(Violation("coverage", f"is written to destination rank {rank} ({devices[rank]}), "
+                           f"which has no region {anchor} in {slot}", key, ",".join(t.kinds), (rank,),
                            (devices[rank],), point))

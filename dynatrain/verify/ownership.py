@@ -47,7 +47,7 @@ def check_expert_ownership(view: StateView, devices: tuple[str, ...], emit: Emit
             what = {"twice": f"has two owners (ranks {list(owners)})",
                     "missing": "has no owner", "outside": "is held beyond the tensor",
                     "empty": "is held as an empty box"}[fault.what]
-            emit(Violation("expert", f"in expert-data-parallel replica {edp}, this element {what}",
+            emit(Violation("expert", f"{what} in expert-data-parallel replica {edp}",
                            key, "param", owners, tuple(devices[r] for r in owners),
                            fault.point))
     return checked

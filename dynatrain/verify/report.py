@@ -38,9 +38,10 @@ class Violation:
     witness: tuple = ()
 
     def __str__(self) -> str:
-        where = f"{self.key} [{self.kind}] " if self.key else ""
-        at = f" at {list(self.witness)}" if self.witness and self.key else ""
-        return f"{self.rule}: {where}{self.detail}{at}"
+        if not self.key:
+            return f"{self.rule}: {self.detail}"
+        at = "[" + ", ".join(map(str, self.witness)) + "]"
+        return f"{self.rule}: {self.key}{at} [{self.kind}] {self.detail}"
 
 
 @dataclass(frozen=True)

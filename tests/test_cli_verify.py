@@ -1,0 +1,70 @@
+"""`dynatrain verify PLAN.json`: self-contained re-verification of saved or hand-edited plans."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from dynatrain.cli import main
+from dynatrain.ir.loader import spec_to_dict
+from test_plan_simulate import MOE, spec
+
+
+def _save_plan(tmp_path, capsys, *extra: str) -> dict:
+    src, dst = tmp_path / "src.yaml", tmp_path / "dst.yaml"
+    src.write_text(yaml.safe_dump(spec_to_dict(spec(MOE, 4, tp=2, ep=2))))
+    dst.write_text(yaml.safe_dump(spec_to_dict(spec(MOE, 8, tp=2, ep=2, pp=2))))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(src), str(dst), "--json", str(out), *extra]) == 0
+    assert "verified in" in capsys.readouterr().out
+    return json.loads(out.read_text())
+
+
+def _verify(tmp_path, doc: dict, *extra: str) -> int:
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc))
+    return main(["verify", str(path), *extra])
+
+
+def test_saved_plan_verifies_on_its_own(tmp_path, capsys) -> None:
+    doc = _save_plan(tmp_path, capsys, "--place", "auto")
+    assert doc["format"] == "dynatrain.plan/2" and doc["summary"]["verify_seconds"] > 0
+    assert doc["dst_spec"]["world"]["devices"] == doc["dst_devices"]
+    assert _verify(tmp_path, doc) == 0
+    assert capsys.readouterr().out.startswith("verified: coverage, source, expert")
+
+
+def test_hand_edited_plan_fails_with_rule_and_witness(tmp_path, capsys) -> None:
+    doc = _save_plan(tmp_path, capsys)
+    msg = next(m for r in doc["rounds"] for m in r if m["src_device"] != m["dst_device"])
+    key, kinds, box, _, dst_rank = msg["transfers"][0][:5]
+    msg["transfers"][0][1] = ["exp_avg"] if kinds != ["exp_avg"] else ["exp_avg_sq"]
+    assert _verify(tmp_path, doc) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("verification failed")
+    assert f"coverage: {key}[{', '.join(map(str, box[0]))}]" in out
+    assert f"destination rank {dst_rank}" in out
+
+
+def test_old_format_without_specs_needs_them_on_the_command_line(tmp_path, capsys) -> None:
+    doc = _save_plan(tmp_path, capsys)
+    old = {k: v for k, v in doc.items() if k not in ("src_spec", "dst_spec", "order")}
+    old["format"] = "dynatrain.plan/1"
+    assert _verify(tmp_path, old) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no src_spec" in err[0] and "--src" in err[0]
+    assert _verify(tmp_path, old, "--src", str(tmp_path / "src.yaml"),
+                   "--dst", str(tmp_path / "dst.yaml")) == 0
+
+
+def test_unreadable_plans_are_one_line_exit_2(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    for text, words in (("{", "not JSON"), ('{"format": "x"}', "not a dynatrain.plan/2"),
+                        ('{"format": "dynatrain.plan/2", "rounds": 3}', "malformed")):
+        bad.write_text(text)
+        assert main(["verify", str(bad)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+    assert main(["verify", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 Three sections, each printed as a table and written to one JSON file:
 
 1. headline: shipped spec pairs planned with a 2 GiB staging budget on the H100 topology; plan
-   time and plan quality (bytes and predicted seconds against their lower bounds).
+   time, verification time and plan quality (bytes and predicted seconds against their lower
+   bounds).
 2. scaling: Llama-3.1-70B TP8 PP4 DP d -> TP8 PP8 DP d/2 on the same world, 64 to 8192 ranks;
    plan seconds, seconds per rank and the log-log slope of seconds against ranks.
 3. dcp: the same weights-only transition planned by PyTorch DCP's resharding planner
@@ -40,6 +41,7 @@ from dynatrain.ir.spec import LayoutSpec
 from dynatrain.ir.state import StateView
 from dynatrain.planner.cost import H100
 from dynatrain.planner.pipeline import plan_transition
+from dynatrain.verify.check import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ROOT / "specs"
@@ -113,10 +115,12 @@ def settled_heap(collect: bool = True) -> Iterator[None]:
         gc.unfreeze()
 
 
-def timed_plan(src: LayoutSpec, dst: LayoutSpec, warm: bool = False) -> dict[str, Any]:
+def timed_plan(src: LayoutSpec, dst: LayoutSpec, warm: bool = False,
+               verified: bool = False) -> dict[str, Any]:
     """Plan ``src -> dst`` from freshly compiled layouts; the plan's stats plus seconds per pass.
 
     Cold by default (IR caches emptied first): compiling the layouts is part of planning.
+    ``verified``: also run the verifier as ``dynatrain plan`` does (``verify_seconds``, ``ok``).
     """
     if not warm:
         clear_ir_caches()
@@ -126,9 +130,13 @@ def timed_plan(src: LayoutSpec, dst: LayoutSpec, warm: bool = False) -> dict[str
         passes[name] = passes.get(name, 0.0) + seconds
 
     with settled_heap():
-        plan = plan_transition(Layout(src), Layout(dst), budget_bytes=BUDGET_BYTES,
-                               topology=H100, trace=trace)
+        s, d = Layout(src), Layout(dst)
+        plan = plan_transition(s, d, budget_bytes=BUDGET_BYTES, topology=H100, trace=trace)
     stats = dict(plan.stats, pass_seconds=passes)
+    if verified:  # as `dynatrain plan` does: same layouts, so the IR's caches are shared
+        with settled_heap():
+            report = verify(plan, s, d, H100)
+        stats.update(verify_seconds=report.seconds, verified=report.ok)
     del plan
     return stats
 
@@ -171,11 +179,12 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 def headline_row(label: str, src_name: str, dst_name: str) -> dict[str, Any]:
     """One shipped transition: its plan stats plus the two quality ratios."""
     src, dst = load_spec(spec_path(src_name)), load_spec(spec_path(dst_name))
-    s = timed_plan(src, dst)
+    s = timed_plan(src, dst, verified=True)
     return dict(
         label=label, src=src_name, dst=dst_name,
         src_ranks=Layout(src).world, dst_ranks=Layout(dst).world,
-        plan_seconds=s["plan_seconds"], transfers=s["transfers"], messages=s["messages"],
+        plan_seconds=s["plan_seconds"], verify_seconds=s["verify_seconds"],
+        verified=s["verified"], transfers=s["transfers"], messages=s["messages"],
         rounds=s["rounds"], bytes_moved=s["bytes_moved"], bytes_lower_bound=s["bytes_lower_bound"],
         bytes_local=s["bytes_local"], bytes_ratio=ratio(s["bytes_moved"], s["bytes_lower_bound"]),
         predicted_seconds=s["predicted_seconds"], lower_bound_seconds=s["lower_bound_seconds"],
@@ -189,10 +198,10 @@ def run_headline(quick: bool) -> list[dict[str, Any]]:
     rows = [headline_row(label, a, b) for label, a, b, slow in HEADLINE if not (quick and slow)]
     print_table(
         "1. Headline transitions (budget 2 GiB/device, H100 topology)",
-        ["transition", "ranks", "plan s", "transfers", "msgs", "rounds", "moved GiB", "LB GiB",
+        ["transition", "ranks", "plan s", "verify s", "transfers", "msgs", "rounds", "moved GiB", "LB GiB",
          "x", "pred s", "LB s", "x", "peak/budget GiB"],
         [[r["label"], f"{r['src_ranks']}->{r['dst_ranks']}", fmt(r["plan_seconds"]),
-          str(r["transfers"]), str(r["messages"]), str(r["rounds"]),
+          fmt(r["verify_seconds"]) + ("" if r["verified"] else " FAIL"), str(r["transfers"]), str(r["messages"]), str(r["rounds"]),
           fmt(r["bytes_moved"] / GIB, ".1f"), fmt(r["bytes_lower_bound"] / GIB, ".1f"),
           fmt(r["bytes_ratio"]), fmt(r["predicted_seconds"], ".3f"),
           fmt(r["lower_bound_seconds"], ".3f"), fmt(r["time_ratio"]),

@@ -285,6 +285,18 @@ class StateView:
         return tuple(out)
 
 
+def view_of(layout: Layout) -> StateView:
+    """The one ``StateView`` of ``layout``, so the planner and the verifier share its caches.
+
+    Computing what every rank holds is the IR's job, done once; what consumers do with it
+    (intersect, check) stays their own.
+    """
+    view = layout.__dict__.get("_state_view")
+    if view is None:
+        view = layout.__dict__["_state_view"] = StateView(layout)
+    return view
+
+
 def _flat_index(shape: tuple[int, ...], idx: tuple[int, ...]) -> int:
     flat = 0
     for s, i in zip(shape, idx):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..ir.layout import Layout
-from ..ir.state import StateView
+from ..ir.state import StateView, view_of
 from .cost import H100, Topology, lower_bound_seconds, predicted_seconds
 from .intersect import Intersection, PlanError, intersect
 from .place import auto_place
@@ -53,7 +53,7 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
     if place not in ("naive", "auto"):
         raise PlanError(f"--place must be naive or auto (got {place!r})")
     t0 = time.perf_counter()
-    sv, dv = StateView(src), StateView(dst)
+    sv, dv = view_of(src), view_of(dst)
     dtypes = check_compatible(sv, dv)
 
     def step(name: str, fn: Callable[[], Any]) -> Any:

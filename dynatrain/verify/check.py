@@ -20,7 +20,7 @@ import time
 from collections import Counter
 
 from ..ir.layout import Layout
-from ..ir.state import StateView
+from ..ir.state import view_of
 from ..planner.cost import Topology
 from ..planner.plan import Plan
 from .data import check_data
@@ -48,15 +48,15 @@ def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = Non
         if per_rule[v.rule] <= limit:
             kept.append(v)
 
-    sv, dv = StateView(src), StateView(dst)
+    sv, dv = view_of(src), view_of(dst)
     checked: dict = {"rounds": len(plan.rounds)}
     if _devices_match(plan, src, dst, emit):
-        checked["transfers"] = check_data(plan, sv, dv, emit)
+        checked["transfers"], staging = check_data(plan, sv, dv, emit)
         checked["expert_replicas"] = check_expert_ownership(dv, plan.dst_devices, emit)
         capacity = None
         if topology is not None and topology.memory_GB is not None:
             capacity = int(topology.memory_GB * 1e9)
-        checked.update(check_memory(plan, sv, dv, capacity, emit))
+        checked.update(check_memory(plan, sv, dv, staging, capacity, emit))
     check_deadlock(plan, emit)
     dropped = sum(max(0, n - limit) for n in per_rule.values())
     return VerifyReport(tuple(kept), checked, time.perf_counter() - t0, dropped)

@@ -69,10 +69,12 @@ def expert_keys(view: StateView) -> frozenset[str]:
     return frozenset(keys)
 
 
-def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit) -> int:
+def check_data(plan: Plan, src: StateView, dst: StateView,
+               emit: Emit) -> tuple[int, list[dict[str, int]]]:
     """Check every transfer's source and the tiling of every destination region.
 
-    Returns the number of transfers checked. The loop runs once per transfer of plans with
+    Returns the number of transfers checked and, per round, the bytes each device stages
+    (remote messages, sent plus received), counted from the boxes and dtypes while here. The loop runs once per transfer of plans with
     hundreds of thousands of them, so the common case is inlined and the rest memoized:
     element sizes per (key, kinds), source lookups per (rank, region).
     """
@@ -80,11 +82,16 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit) -> int:
     elem_bytes = _ElementBytes(src, dst)
     s_world, d_world = src.layout.world, dst.layout.world
     s_dev, d_dev = plan.src_devices, plan.dst_devices
-    held: dict[tuple, tuple[str, ...] | None] = {}
+    held: dict[tuple, tuple[str, ...] | None] = {}  # source lookups, None: not held
+    sizes = elem_bytes.memo
     writes: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
     count = 0
+    staging: list[dict[str, int]] = []
     for r, rnd in enumerate(plan.rounds):
+        staged: dict[str, int] = defaultdict(int)
+        staging.append(staged)
         for m in rnd.messages:
+            moved = 0
             for t in m.transfers:
                 count += 1
                 sr, dr = t.src_rank, t.dst_rank
@@ -95,11 +102,14 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit) -> int:
                     continue
                 if s_dev[sr] != m.src_device or d_dev[dr] != m.dst_device:
                     _wrong_device(r, m, t, s_dev, d_dev, emit)
-                where = (sr, t.key, t.src_slot, t.src_anchor)
+                # Keyed by identity: the plan keeps the slot and anchor objects alive, and
+                # transfers cut from one source region share them (equal copies only miss).
+                where = (sr, t.key, id(t.src_slot), id(t.src_anchor), t.kinds)
                 kinds = held.get(where, ())
                 if kinds == ():
                     s = s_hold.find(sr, (t.key, t.src_slot, t.src_anchor))
-                    kinds = held[where] = s.kinds if s is not None else None
+                    kinds = held[where] = (s.kinds if s is not None
+                                           and set(t.kinds) <= set(s.kinds) else None)
                 box, anchor = t.box, t.src_anchor
                 n = 1
                 fits = kinds is not None and len(box.lo) == len(anchor.lo) == len(box.hi)
@@ -109,21 +119,29 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit) -> int:
                             fits = False
                             break
                         n *= h - l
-                if not fits or not set(t.kinds) <= set(kinds):
-                    _check_source(t, m.src_device, kinds, emit)
-                size = elem_bytes.get(t, emit)
+                if not fits:
+                    s = s_hold.find(sr, (t.key, t.src_slot, t.src_anchor))
+                    _check_source(t, m.src_device, s.kinds if s is not None else None, emit)
+                size = sizes.get((t.key, t.kinds), -1)
+                if size == -1:
+                    size = elem_bytes.get(t, emit)
+                if fits and size is not None:
+                    moved += size * n
                 if fits and size is not None and t.nbytes != size * n:
                     emit(Violation("memory", f"round {r}: a transfer {box} declares {t.nbytes} "
                                    f"bytes but moves {size * n}", t.key, ",".join(t.kinds),
                                    (sr, dr), (m.src_device, m.dst_device), box.lo))
                 writes[(dr, (t.key, t.dst_slot, t.dst_anchor))].append(t)
+            if m.src_device != m.dst_device:  # local copies go slot to slot: no staging
+                staged[m.src_device] += moved
+                staged[m.dst_device] += moved
     _check_coverage(dst, d_hold, writes, set(plan.derived), expert_keys(dst), d_dev, emit)
-    return count
+    return count, staging
 
 
 class _ElementBytes:
     """Bytes per element of a transfer (summed over its kinds); None if some kind has no
-    tensor of one dtype on both sides (reported once per transfer)."""
+    tensor of one dtype on both sides (reported at the first transfer that has it)."""
 
     def __init__(self, src: StateView, dst: StateView) -> None:
         self.s, self.d = src.tensors(), dst.tensors()
@@ -185,10 +203,15 @@ def _check_source(t: Transfer, device: str, kinds: tuple[str, ...] | None, emit:
 def _check_coverage(dst: StateView, hold: Holdings,
                     writes: dict[tuple[int, Target], list[Transfer]], derived: set[str],
                     experts: frozenset[str], devices: tuple[str, ...], emit: Emit) -> None:
+    needed_of: dict[tuple[str, ...], tuple[str, ...]] = {}
     for rank in range(dst.layout.world):
         for s in dst.stored(rank):
             ws = writes.pop((rank, (s.key, s.slot, s.box)), [])
-            needed = tuple(k for k in s.kinds if k not in derived)
+            needed = needed_of.get(s.kinds)
+            if needed is None:
+                needed = needed_of[s.kinds] = tuple(k for k in s.kinds if k not in derived)
+            if len(ws) == 1 and ws[0].kinds == needed and ws[0].box == s.box:
+                continue  # the common case: one transfer writes the whole region
             kind_sets = {t.kinds for t in ws}
             if len(kind_sets) == 1 and set(next(iter(kind_sets))) == set(needed):
                 groups = [(needed, [t.box for t in ws])]  # common case: one check for all kinds

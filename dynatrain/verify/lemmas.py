@@ -253,20 +253,14 @@ def box_and_2d(inter: Callable[..., tuple] = box_and) -> z3.BoolRef:
 
 
 def flat_boxes_2d(pieces: Callable[..., tuple] = flat_pieces) -> z3.BoolRef:
-    """``flat_boxes((R, C), a, b)``: non-empty in-bounds boxes, each cell of {a <= i*C+j < b} once.
-
-    ``a`` and ``b`` come with their quotient and remainder by C as extra variables: the same
-    values, but z3 proves it about 8x faster when it need not find them itself.
-    """
-    R, C, a, b, qa, ra, qb, rb, i, j = _ints("R C a b qa ra qb rb i j")
+    """``flat_boxes((R, C), a, b)``: non-empty in-bounds boxes, each cell of {a <= i*C+j < b} once."""
+    R, C, a, b, i, j = _ints("R C a b i j")
     boxes = pieces(C, a, b)
     count = z3.Sum([z3.If(z3.And(on, box_has((r0, c0), (r1, c1), (i, j))), 1, 0)
                     for on, r0, r1, c0, c1 in boxes])
     flat = i * C + j
     return z3.Implies(
-        z3.And(R > 0, C > 0, 0 <= a, a < b, b <= R * C,
-               a == qa * C + ra, _between(0, ra, C), b == qb * C + rb, _between(0, rb, C),
-               a / C == qa, a % C == ra, b / C == qb, b % C == rb),
+        z3.And(R > 0, C > 0, 0 <= a, a < b, b <= R * C),
         z3.And(
             *(z3.Implies(on, z3.And(0 <= r0, r0 < r1, r1 <= R, 0 <= c0, c0 < c1, c1 <= C))
               for on, r0, r1, c0, c1 in boxes),
@@ -287,10 +281,9 @@ def vocab_padding(pad: Callable[..., Num] = padded_vocab_rows) -> z3.BoolRef:
     return z3.Implies(
         z3.And(V > 0, m > 0, tp > 0),
         z3.And(
-            V <= P, P - V < m * tp, P % tp == 0, P % (m * tp) == 0,
+            V <= P, P - V < m * tp, P % tp == 0,
             z3.Implies(z3.And(_between(0, r, tp), _between(lo, x, hi), x < V),
                        z3.And(_between(lo, x, z3.If(hi < V, hi, V)), lo < V)),
-            z3.Implies(z3.And(_between(0, x, P), x >= V), _between(V, x, P)),
         ))
 
 
@@ -304,14 +297,18 @@ def param_start_alignment(pad: Callable[..., Num] = pad_up) -> z3.BoolRef:
 def bucket_padding_divides(pad: Callable[..., Num] = pad_up) -> z3.BoolRef:
     """pad_bucket to a common multiple ``div`` of D and 128 leaves buckets D splits exactly.
 
-    A bucket starts at 0 or at the previous (padded) bucket end, so at a multiple of div.
+    A bucket starts at 0 or at the previous (padded) bucket end, so at ``kb * div``. ``div``
+    (lcm(D, 128) in the code) is written once as D*u and once as 128*w: the same set of
+    numbers, but z3 proves "D divides" only from the first and "128 divides" from the second.
     """
-    D, div, u, w, bs, pe = _ints("D div u w bs pe")
-    be = pad(pe, div)
-    return z3.Implies(
-        z3.And(D > 0, u > 0, w > 0, div == D * u, div == 128 * w, bs >= 0, bs % div == 0,
-               pe >= bs),
-        z3.And(pe <= be, be - pe < div, (be - bs) % D == 0, be % 128 == 0))
+    D, u, w, kb, pe = _ints("D u w kb pe")
+    by_d, by_128 = D * u, 128 * w
+    be_d, be_128 = pad(pe, by_d), pad(pe, by_128)
+    return z3.And(
+        z3.Implies(z3.And(D > 0, u > 0, kb >= 0, pe >= kb * by_d, by_d % 128 == 0),
+                   z3.And(pe <= be_d, be_d - pe < by_d, (be_d - kb * by_d) % D == 0)),
+        z3.Implies(z3.And(D > 0, w > 0, kb >= 0, pe >= kb * by_128, by_128 % D == 0),
+                   be_128 % 128 == 0))
 
 
 def _split_by_dp(bs: Num, be: Num, dp: Num) -> Cond:
@@ -478,25 +475,71 @@ LEMMAS: dict[str, Callable[[], z3.BoolRef]] = {
 }
 
 
+def purify_divisions(formula: z3.BoolRef) -> z3.BoolRef:
+    """Name every ``x div y`` and ``x mod y`` by fresh q, r with y > 0 -> x == q*y + r, 0 <= r < y.
+
+    Valid iff ``formula`` is: the real quotient and remainder are one choice of q and r, and for
+    y > 0 the only one. z3 reasons about the product q*y much faster than about div and mod.
+    """
+    seen, found, stack = set(), [], [formula]
+    while stack:
+        e = stack.pop()
+        if e.get_id() in seen or not z3.is_app(e):
+            continue
+        seen.add(e.get_id())
+        if e.decl().kind() in (z3.Z3_OP_IDIV, z3.Z3_OP_MOD):
+            found.append(e)
+        stack.extend(e.children())
+    names: dict[tuple[int, int], tuple[z3.ArithRef, z3.ArithRef]] = {}
+    pairs, facts = [], []
+    for e in found:
+        x, y = e.children()
+        key = (x.get_id(), y.get_id())
+        if key not in names:
+            q, r = names[key] = z3.Int(f"_q{len(names)}"), z3.Int(f"_r{len(names)}")
+            facts.append(z3.Implies(y > 0, z3.And(x == q * y + r, 0 <= r, r < y)))
+        q, r = names[key]
+        pairs.append((e, q if e.decl().kind() == z3.Z3_OP_IDIV else r))
+    if not pairs:
+        return formula
+    # One simultaneous substitution: a nested x div y inside a fact is renamed as well.
+    return z3.substitute(z3.Implies(z3.And(*facts), formula), *pairs)
+
+
+def _check(formula: z3.BoolRef, timeout_ms: int) -> tuple[z3.CheckSatResult, z3.ModelRef | None]:
+    solver = z3.Solver()
+    solver.set("timeout", max(timeout_ms, 1))
+    solver.add(z3.Not(formula))
+    verdict = solver.check()
+    return verdict, solver.model() if verdict == z3.sat else None
+
+
+def _falsifies(formula: z3.BoolRef, model: z3.ModelRef) -> dict[str, int] | None:
+    """The model's values of ``formula``'s variables, if they really make it false."""
+    values = {v: model.eval(v, model_completion=True) for v in get_vars(formula)}
+    if not z3.is_false(z3.simplify(z3.substitute(formula, *values.items()))):
+        return None  # e.g. a model that chose a quotient for a division by zero
+    return {str(v): x.as_long() for v, x in sorted(values.items(), key=lambda kv: str(kv[0]))}
+
+
 def prove(lemma: str | Callable[[], z3.BoolRef], timeout_ms: int = TIMEOUT_MS) -> LemmaResult:
-    """Prove a registered lemma (by name) or any formula builder: its negation must be unsat."""
+    """Prove a registered lemma (by name) or any formula builder: its negation must be unsat.
+
+    A counterexample is checked by evaluating the original formula at it; one that does not
+    falsify it sends the search to the unpurified formula for the rest of the time.
+    """
     name, build = (lemma, LEMMAS[lemma]) if isinstance(lemma, str) else (
         getattr(lemma, "__name__", repr(lemma)), lemma)
     t0 = time.perf_counter()
     formula = build()
-    solver = z3.Solver()
-    solver.set("timeout", timeout_ms)
-    solver.add(z3.Not(formula))
-    verdict = solver.check()
+    verdict, model = _check(purify_divisions(formula), timeout_ms)
+    cex = _falsifies(formula, model) if model is not None else None
+    if verdict == z3.sat and cex is None:
+        left = timeout_ms - int((time.perf_counter() - t0) * 1000)
+        verdict, model = _check(formula, left)
+        cex = _falsifies(formula, model) if model is not None else None
     seconds = time.perf_counter() - t0
-    if verdict == z3.unsat:
-        return LemmaResult(name, True, seconds, None)
-    if verdict == z3.sat:
-        model = solver.model()
-        cex = {str(v): model.eval(v, model_completion=True).as_long()
-               for v in sorted(get_vars(formula), key=str)}
-        return LemmaResult(name, False, seconds, cex)
-    return LemmaResult(name, False, seconds, None)  # unknown: timed out or gave up
+    return LemmaResult(name, verdict == z3.unsat, seconds, cex)
 
 
 def prove_all(timeout_ms: int = TIMEOUT_MS) -> list[LemmaResult]:

@@ -33,30 +33,13 @@ def held_bytes(view: StateView, devices: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
-def staging_bytes(plan: Plan, dtypes: dict[tuple[str, str], str]) -> list[dict[str, int]]:
-    """Per round, the bytes each device stages (remote messages, both directions)."""
-    out = []
-    for rnd in plan.rounds:
-        used: dict[str, int] = defaultdict(int)
-        for m in rnd.messages:
-            if m.local:
-                continue
-            n = sum(t.box.numel * sum(ITEMSIZE.get(dtypes.get((t.key, k), ""), 8)
-                                      for k in t.kinds) for t in m.transfers)
-            used[m.src_device] += n
-            used[m.dst_device] += n
-        out.append(dict(used))
-    return out
-
-
-def check_memory(plan: Plan, src: StateView, dst: StateView, capacity: int | None,
-                 emit: Emit) -> dict[str, int]:
+def check_memory(plan: Plan, src: StateView, dst: StateView, rounds: list[dict[str, int]],
+                 capacity: int | None, emit: Emit) -> dict[str, int]:
     """Emit a violation per (round, device) over the budget or the capacity.
 
-    Returns the peak staging and peak live bytes over all devices and rounds.
+    ``rounds``: per round, the bytes each device stages (``data.check_data`` counts them from
+    the transfers' boxes and dtypes). Returns the peak staging and live bytes.
     """
-    dtypes = {tk: t.dtype for tk, t in dst.tensors().items()}
-    rounds = staging_bytes(plan, dtypes)
     live: dict[str, int] = defaultdict(int)
     if capacity is not None:
         for part in (held_bytes(src, plan.src_devices), held_bytes(dst, plan.dst_devices)):

@@ -30,10 +30,18 @@ def check_expert_ownership(view: StateView, devices: tuple[str, ...], emit: Emit
         replicas[L.coords(rank).edp].append(rank)
     tensors = view.tensors()
     checked = 0
+    clean: set[tuple[int, ...]] = set()
     for edp, ranks in sorted(replicas.items()):
+        # Replicas made of the same (cached, shared) parts hold the same boxes: check once.
+        parts = tuple(view.param_part(rank) for rank in ranks)
+        signature = tuple(map(id, parts))
+        if signature in clean:
+            checked += len(experts)
+            continue
+        found = False
         held: dict[str, list[tuple[Box, int]]] = defaultdict(list)
-        for rank in ranks:
-            for s in view.param_part(rank):
+        for rank, part in zip(ranks, parts):
+            for s in part:
                 if s.key in experts and "param" in s.kinds:
                     held[s.key].append((s.box, rank))
         for key in sorted(experts):
@@ -43,6 +51,7 @@ def check_expert_ownership(view: StateView, devices: tuple[str, ...], emit: Emit
             fault = tiling_fault(full, [b for b, _ in boxes])
             if fault is None:
                 continue
+            found = True
             owners = tuple(boxes[i][1] for i in fault.boxes)
             what = {"twice": f"has two owners (ranks {list(owners)})",
                     "missing": "has no owner", "outside": "is held beyond the tensor",
@@ -50,4 +59,6 @@ def check_expert_ownership(view: StateView, devices: tuple[str, ...], emit: Emit
             emit(Violation("expert", f"{what} in expert-data-parallel replica {edp}",
                            key, "param", owners, tuple(devices[r] for r in owners),
                            fault.point))
+        if not found:
+            clean.add(signature)
     return checked

@@ -13,6 +13,7 @@ from typing import Any
 from ..ir.layout import Layout
 from ..ir.state import StateView, view_of
 from .cost import H100, Topology, lower_bound_seconds, predicted_seconds
+from .gcpause import cycle_collector_paused
 from .intersect import Intersection, PlanError, intersect
 from .place import auto_place
 from .plan import Plan
@@ -52,6 +53,12 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
         raise PlanError(f"--budget must be positive (got {budget_bytes})")
     if place not in ("naive", "auto"):
         raise PlanError(f"--place must be naive or auto (got {place!r})")
+    with cycle_collector_paused():
+        return _plan(src, dst, budget_bytes, topology, trace, place)
+
+
+def _plan(src: Layout, dst: Layout, budget_bytes: int, topology: Topology, trace: Trace | None,
+          place: str) -> Plan:
     t0 = time.perf_counter()
     sv, dv = view_of(src), view_of(dst)
     dtypes = check_compatible(sv, dv)

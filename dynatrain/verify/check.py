@@ -22,6 +22,7 @@ from collections import Counter
 from ..ir.layout import Layout
 from ..ir.state import view_of
 from ..planner.cost import Topology
+from ..planner.gcpause import cycle_collector_paused
 from ..planner.plan import Plan
 from .data import check_data
 from .memory import check_memory
@@ -39,6 +40,12 @@ def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = Non
     memory capacity (None: only the staging budget is checked). At most ``limit`` violations
     are kept per rule; the report counts the rest.
     """
+    with cycle_collector_paused():
+        return _verify(plan, src, dst, topology, limit)
+
+
+def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
+            limit: int) -> VerifyReport:
     t0 = time.perf_counter()
     kept: list[Violation] = []
     per_rule: Counter[str] = Counter()

@@ -14,6 +14,8 @@ operator                      rule        fault
 ``shrink_box``                coverage    a transfer's box lost its last slab along a dimension
 ``swap_kind``                 coverage    a transfer carries the wrong state kind
 ``wrong_device``              coverage    a message goes to a device that does not run its ranks
+``swap_placement``            coverage    two destination ranks swap devices, messages do not
+``false_derive``              coverage    a kind is declared derived on the destination, not sent
 ``wrong_source``              source      a transfer reads from a rank that does not hold it
 ``expert_second_owner``       expert      expert state is written to a rank that does not own it
 ``reorder_cycle``             deadlock    two devices disagree on the order of their messages
@@ -133,6 +135,32 @@ def _devices(m: Message) -> tuple[str, ...]:
     return (m.src_device,) if m.local else (m.src_device, m.dst_device)
 
 
+def _global_position(rnd: Round) -> dict[int, int]:
+    """Each message's place in one global order that every device's order follows (exists
+    for a round free of deadlock; Kahn's algorithm, ties by index)."""
+    after: dict[int, set[int]] = {i: set() for i in range(len(rnd.messages))}
+    for ix in rnd.device_order().values():
+        for a, b in zip(ix, ix[1:]):
+            after[a].add(b)
+    waiting = {i: 0 for i in after}
+    for bs in after.values():
+        for b in bs:
+            waiting[b] += 1
+    ready = sorted(i for i, n in waiting.items() if n == 0)
+    pos: dict[int, int] = {}
+    while ready:
+        a = ready.pop(0)
+        pos[a] = len(pos)
+        for b in sorted(after[a]):
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                ready.append(b)
+        ready.sort()
+    if len(pos) != len(after):
+        raise ValueError("the round's device orders already form a cycle")
+    return pos
+
+
 def _remove_message(rnd: Round, i: int) -> Round:
     """The round without message ``i``; every device's order reindexed."""
     order = {d: [j - (j > i) for j in ix if j != i] for d, ix in _order(rnd).items()}
@@ -154,8 +182,8 @@ def _set_transfers(rnd: Round, i: int, transfers: tuple[Transfer, ...]) -> Round
     if not transfers:
         return _remove_message(rnd, i)
     m = rnd.messages[i]
-    msgs = rnd.messages[:i] + (Message(m.src_device, m.dst_device, transfers),) + rnd.messages[i + 1:]
-    return Round(msgs, rnd.order)
+    new = Message(m.src_device, m.dst_device, transfers)
+    return Round(rnd.messages[:i] + (new,) + rnd.messages[i + 1:], rnd.order)
 
 
 def _add_transfer(rnd: Round, src_device: str, dst_device: str, t: Transfer) -> Round:
@@ -331,7 +359,9 @@ def wrong_device(plan: Plan, src: Layout, dst: Layout, rng: random.Random) -> Mu
         if not m.local:
             order[m.dst_device] = [j for j in order[m.dst_device] if j != i]
         if new_dst != m.src_device:
-            order.setdefault(new_dst, []).append(i)
+            # Where one global order of the round puts it, so no cycle of waits is made.
+            pos = _global_position(rnd)
+            order[new_dst] = sorted(order.get(new_dst, []) + [i], key=pos.__getitem__)
         moved = Message(m.src_device, new_dst, m.transfers)
         new = _round(rnd.messages[:i] + (moved,) + rnd.messages[i + 1:], order)
         t = m.transfers[0]
@@ -348,6 +378,67 @@ def _replaced(op: str, rule: str, plan: Plan, w: Where, t: Transfer, text: str,
     ts = rnd.messages[i].transfers
     new = _set_transfers(rnd, i, ts[:j] + (t,) + ts[j + 1:])
     return Mutant(op, rule, text, _with_rounds(plan, {r: new}), focus)
+
+
+def swap_placement(plan: Plan, src: Layout, dst: Layout, rng: random.Random) -> Mutant | None:
+    """Swap the devices of two destination ranks that hold different state in the plan's
+    placement table, leaving the messages addressed as before (a placement bug)."""
+    f = _facts(dst)
+    pairs = [(a, b) for a in range(dst.world) for b in range(a + 1, dst.world)
+             if plan.dst_devices[a] != plan.dst_devices[b] and f.held(a).keys() != f.held(b).keys()]
+    if not pairs:
+        return None
+    a, b = rng.choice(pairs)
+    first = next((t for m in plan.messages() for t in m.transfers if t.dst_rank in (a, b)), None)
+    if first is None:
+        return None
+    devices = list(plan.dst_devices)
+    devices[a], devices[b] = devices[b], devices[a]
+    mutated = replace(plan, dst_devices=tuple(devices), stats=dict(plan.stats))
+    return Mutant("swap_placement", "coverage",
+                  f"destination ranks {a} and {b} swapped devices ({plan.dst_devices[a]}, "
+                  f"{plan.dst_devices[b]}); messages still go to the old ones", mutated,
+                  (first.key, first.box))
+
+
+def false_derive(plan: Plan, src: Layout, dst: Layout, rng: random.Random) -> Mutant | None:
+    """Claim that the destination derives a state kind it does not (``Plan.derived``) and send
+    none of it: the param when the destination spec has ``state.derive_param`` off, or an
+    optimizer kind, which nothing can derive. That kind is then never written."""
+    f = _facts(dst)
+    derive_param = dst.spec.state.derive_param
+    sent = {k for m in plan.messages() for t in m.transfers for k in t.kinds}
+    cands = [k for k in f.view.kinds if k not in plan.derived and k in sent
+             and (k != "param" or not derive_param)]
+    if not cands:
+        return None
+    kind = rng.choice(sorted(cands))
+    rounds = {r: _strip_kind(rnd, kind, dst) for r, rnd in enumerate(plan.rounds)}
+    mutated = replace(_with_rounds(plan, rounds), derived=tuple(sorted({*plan.derived, kind})))
+    return Mutant("false_derive", "coverage",
+                  f"plan claims the destination derives {kind} (state.derive_param="
+                  f"{derive_param}) and sends none of it", mutated)
+
+
+def _strip_kind(rnd: Round, kind: str, dst: Layout) -> Round:
+    """The round without ``kind`` in any transfer (bytes follow; empty messages go)."""
+    keep: list[Message] = []
+    new_index: dict[int, int] = {}
+    for i, m in enumerate(rnd.messages):
+        ts = []
+        for t in m.transfers:
+            if kind in t.kinds:
+                kinds = tuple(k for k in t.kinds if k != kind)
+                if not kinds:
+                    continue
+                t = t._replace(kinds=kinds,
+                               nbytes=t.box.numel * _bytes_per_element(dst, t.key, kinds))
+            ts.append(t)
+        if ts:
+            new_index[i] = len(keep)
+            keep.append(Message(m.src_device, m.dst_device, tuple(ts)))
+    order = {d: [new_index[i] for i in ix if i in new_index] for d, ix in _order(rnd).items()}
+    return _round(keep, order)
 
 
 # ---- operators: source and expert ---------------------------------------------------------------
@@ -537,6 +628,8 @@ OPERATORS: dict[str, Operator] = {
     "shrink_box": shrink_box,
     "swap_kind": swap_kind,
     "wrong_device": wrong_device,
+    "swap_placement": swap_placement,
+    "false_derive": false_derive,
     "expert_second_owner": expert_second_owner,
     "reorder_cycle": reorder_cycle,
     "drop_from_order": drop_from_order,
@@ -544,7 +637,7 @@ OPERATORS: dict[str, Operator] = {
     "wrong_nbytes": wrong_nbytes,
 }
 
-# Operators that apply only to some plans (their tests assert they fire on plans that have it).
+# Operators that apply only to plans that move expert weights.
 MOE_ONLY = ("expert_second_owner",)
 
 

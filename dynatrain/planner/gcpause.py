@@ -1,0 +1,25 @@
+"""Pause Python's cycle collector while building or checking a plan.
+
+A large plan is hundreds of thousands of small acyclic records; every few hundred allocations
+the collector would rescan all of them (measured on the 235B switch: planning 10-19 s with the
+default thresholds, 6-10 s without). Reference counting still frees everything; only the search
+for cycles, which these passes do not create, waits until the pass returns.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def cycle_collector_paused() -> Iterator[None]:
+    """Disable the cycle collector inside the block; restore its previous state after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -143,7 +143,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
     topo = load_topology(args.topology)
     plan = plan_transition(src, dst, parse_bytes(args.budget), topo, place=args.place)
-    report = verify(plan, src, dst, topo)
+    report = verify(plan, src, dst, topo, parse_bytes(args.budget))
     st = plan.stats
     st["verify_seconds"] = report.seconds
     if not report.ok:  # never emit a plan that fails: say why, rule by rule
@@ -254,7 +254,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             specs.append(spec_from_dict(doc[f"{side}_spec"], f"{args.plan}: {side}_spec"))
         else:
             raise DynatrainError(f"{args.plan}: no {side}_spec in the plan; pass --{side} SPEC")
-    report = verify(plan, Layout(specs[0]), Layout(specs[1]), load_topology(args.topology))
+    budget = parse_bytes(args.budget) if args.budget is not None else None
+    report = verify(plan, Layout(specs[0]), Layout(specs[1]), load_topology(args.topology), budget)
     print(report)
     return 0 if report.ok else 1
 
@@ -290,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--src", metavar="SPEC", help="source spec (default: the one in the plan)")
     ve.add_argument("--dst", metavar="SPEC",
                     help="destination spec (default: the one in the plan, with its placement)")
+    ve.add_argument("--budget", help="staging memory per device to hold the plan to "
+                                     "(default: the budget the plan declares)")
     ve.add_argument("--topology", default="h100",
                     help="h100, h800 or a topology YAML file (device memory capacity)")
     ve.set_defaults(func=cmd_verify)

@@ -68,3 +68,14 @@ def test_unreadable_plans_are_one_line_exit_2(tmp_path, capsys) -> None:
         assert len(err) == 1 and words in err[0], err
     assert main(["verify", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_plan_cannot_raise_its_own_budget(tmp_path, capsys) -> None:
+    doc = _save_plan(tmp_path, capsys, "--budget", "4KiB")
+    doc["budget_bytes"] = 1 << 30
+    merged = [m for r in doc["rounds"] for m in r]  # every message in one round: over 4 KiB
+    doc["rounds"], doc["order"] = [merged], []
+    assert _verify(tmp_path, doc) == 0  # within the 1 GiB the edited plan declares
+    capsys.readouterr()
+    assert _verify(tmp_path, doc, "--budget", "4KiB") == 1
+    assert "over the budget of 4096" in capsys.readouterr().out

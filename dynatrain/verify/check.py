@@ -32,20 +32,21 @@ from .report import VerificationError, Violation, VerifyReport
 
 
 def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None,
-           limit: int = 50) -> VerifyReport:
+           budget_bytes: int | None = None, limit: int = 50) -> VerifyReport:
     """Every violation of the five rules by ``plan`` moving ``src``'s state into ``dst``.
 
     ``dst`` may place its ranks on other devices than the plan does (``--place auto``): the
     plan's device list must then be a permutation of ``dst``'s. ``topology`` gives the device
-    memory capacity (None: only the staging budget is checked). At most ``limit`` violations
-    are kept per rule; the report counts the rest.
+    memory capacity (None: only the staging budget is checked). ``budget_bytes``: the staging
+    budget the user asked for (default: the one the plan declares; a plan cannot raise it).
+    At most ``limit`` violations are kept per rule; the report counts the rest.
     """
     with cycle_collector_paused():
-        return _verify(plan, src, dst, topology, limit)
+        return _verify(plan, src, dst, topology, budget_bytes, limit)
 
 
 def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
-            limit: int) -> VerifyReport:
+            budget_bytes: int | None, limit: int) -> VerifyReport:
     t0 = time.perf_counter()
     kept: list[Violation] = []
     per_rule: Counter[str] = Counter()
@@ -63,15 +64,17 @@ def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
         capacity = None
         if topology is not None and topology.memory_GB is not None:
             capacity = int(topology.memory_GB * 1e9)
-        checked.update(check_memory(plan, sv, dv, staging, capacity, emit))
+        budget = plan.budget_bytes if budget_bytes is None else budget_bytes
+        checked.update(check_memory(plan, sv, dv, staging, budget, capacity, emit))
     check_deadlock(plan, emit)
     dropped = sum(max(0, n - limit) for n in per_rule.values())
     return VerifyReport(tuple(kept), checked, time.perf_counter() - t0, dropped)
 
 
-def check(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None) -> VerifyReport:
+def check(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None,
+          budget_bytes: int | None = None) -> VerifyReport:
     """``verify``, raising ``VerificationError`` (with every violation) if any rule fails."""
-    report = verify(plan, src, dst, topology)
+    report = verify(plan, src, dst, topology, budget_bytes)
     if not report.ok:
         raise VerificationError(report)
     return report

@@ -135,8 +135,24 @@ def check_data(plan: Plan, src: StateView, dst: StateView,
             if m.src_device != m.dst_device:  # local copies go slot to slot: no staging
                 staged[m.src_device] += moved
                 staged[m.dst_device] += moved
-    _check_coverage(dst, d_hold, writes, set(plan.derived), expert_keys(dst), d_dev, emit)
+    _check_coverage(dst, d_hold, writes, _derivable(plan, dst, emit), expert_keys(dst), d_dev,
+                    emit)
     return count, staging
+
+
+def _derivable(plan: Plan, dst: StateView, emit: Emit) -> set[str]:
+    """The kinds the plan may leave unsent: only params, only where the destination spec asks
+    for them to be cast from main params it holds (``state.derive_param``)."""
+    allowed = {"param"} if dst.layout.spec.state.derive_param and "main_param" in dst.kinds \
+        else set()
+    for k in sorted(set(plan.derived) - allowed):
+        # Witness: the first element of that kind the destination holds (nothing rebuilds it).
+        rank, s = next(((r, s) for r in range(dst.layout.world) for s in dst.stored(r)
+                        if k in s.kinds), (0, None))
+        emit(Violation("coverage", f"is declared derived (not sent), but the destination "
+                       "derives only param, and only with state.derive_param and main params",
+                       s.key if s else "plan.derived", k, (rank,), (), s.box.lo if s else ()))
+    return set(plan.derived) & allowed
 
 
 class _ElementBytes:
@@ -150,6 +166,9 @@ class _ElementBytes:
     def get(self, t: Transfer, emit: Emit) -> int | None:
         k = (t.key, t.kinds)
         if k not in self.memo:
+            if len(set(t.kinds)) != len(t.kinds):  # the same storage would be written twice
+                emit(Violation("coverage", "is sent with a state kind listed twice", t.key,
+                               ",".join(t.kinds), (t.src_rank, t.dst_rank), (), t.box.lo))
             size: int | None = 0
             for kind in t.kinds:
                 a, b = self.s.get((t.key, kind)), self.d.get((t.key, kind))

@@ -34,8 +34,8 @@ def held_bytes(view: StateView, devices: tuple[str, ...]) -> dict[str, int]:
 
 
 def check_memory(plan: Plan, src: StateView, dst: StateView, rounds: list[dict[str, int]],
-                 capacity: int | None, emit: Emit) -> dict[str, int]:
-    """Emit a violation per (round, device) over the budget or the capacity.
+                 budget: int, capacity: int | None, emit: Emit) -> dict[str, int]:
+    """Emit a violation per (round, device) over ``budget`` or the capacity.
 
     ``rounds``: per round, the bytes each device stages (``data.check_data`` counts them from
     the transfers' boxes and dtypes). Returns the peak staging and live bytes.
@@ -49,10 +49,9 @@ def check_memory(plan: Plan, src: StateView, dst: StateView, rounds: list[dict[s
     for r, used in enumerate(rounds):
         for dev, n in sorted(used.items()):
             peak_staging = max(peak_staging, n)
-            if n > plan.budget_bytes:
+            if n > budget:
                 emit(Violation("memory", f"round {r}: {dev} stages {n} bytes, over the budget of "
-                               f"{plan.budget_bytes}", devices=(dev,),
-                               witness=(r, n, plan.budget_bytes)))
+                               f"{budget}", devices=(dev,), witness=(r, n, budget)))
     if capacity is not None:
         for dev in sorted(set(live) | {d for u in rounds for d in u}):
             n = live[dev] + max((u.get(dev, 0) for u in rounds), default=0)

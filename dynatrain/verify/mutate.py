@@ -34,10 +34,11 @@ mutants.
 
 from __future__ import annotations
 
+import heapq
 import random
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..ir.box import Box
 from ..ir.layout import Layout
@@ -74,7 +75,6 @@ class _Facts:
     """What each rank of a layout holds, looked up by region, and its expert weights."""
 
     def __init__(self, layout: Layout) -> None:
-        self.layout = layout
         self.view = StateView(layout)
         self._held: dict[int, dict[tuple, tuple[str, ...]]] = {}
         self._by_key: dict[int, dict[str, list[Box]]] = {}
@@ -110,14 +110,9 @@ class _Facts:
         return t.dtype if t is not None else None
 
 
-_FACTS: weakref.WeakKeyDictionary[Layout, _Facts] = weakref.WeakKeyDictionary()
-
-
+@lru_cache(maxsize=16)  # a few layouts at a time; a Layout hashes by identity
 def _facts(layout: Layout) -> _Facts:
-    hit = _FACTS.get(layout)
-    if hit is None:
-        hit = _FACTS[layout] = _Facts(layout)
-    return hit
+    return _Facts(layout)
 
 
 # ---- plan surgery: immutable edits that keep everything else consistent -------------------------
@@ -146,16 +141,16 @@ def _global_position(rnd: Round) -> dict[int, int]:
     for bs in after.values():
         for b in bs:
             waiting[b] += 1
-    ready = sorted(i for i, n in waiting.items() if n == 0)
+    ready = [i for i, n in waiting.items() if n == 0]
+    heapq.heapify(ready)
     pos: dict[int, int] = {}
     while ready:
-        a = ready.pop(0)
+        a = heapq.heappop(ready)
         pos[a] = len(pos)
-        for b in sorted(after[a]):
+        for b in after[a]:
             waiting[b] -= 1
             if waiting[b] == 0:
-                ready.append(b)
-        ready.sort()
+                heapq.heappush(ready, b)
     if len(pos) != len(after):
         raise ValueError("the round's device orders already form a cycle")
     return pos
@@ -168,8 +163,8 @@ def _remove_message(rnd: Round, i: int) -> Round:
 
 
 def _append_message(rnd: Round, m: Message) -> tuple[Round, int]:
-    """The round with ``m`` run last by both its devices (a last message waits on nothing
-    that waits on it, so no cycle is made)."""
+    """The round with ``m`` run last by both its devices (it precedes no other message, so
+    no cycle of waits can pass through it)."""
     order = _order(rnd)
     i = len(rnd.messages)
     for d in _devices(m):

@@ -25,8 +25,10 @@ RULE_TEXT = {
 class Violation:
     """One broken rule instance.
 
-    ``witness``: for coverage/source/expert, a coordinate in tensor ``key``; for deadlock, the
-    messages of a wait cycle as ``(round, index)`` pairs; for memory, ``(round, bytes, limit)``.
+    ``witness``: for coverage/source/expert, a coordinate in tensor ``key`` (``()`` for a
+    scalar such as ``optimizer.step``); for deadlock, the messages of a wait cycle (or the one
+    left unmatched) as ``(round, index)`` pairs; for memory, ``(round, bytes, limit)``, or a
+    coordinate when one transfer declares the wrong byte count.
     """
 
     rule: str

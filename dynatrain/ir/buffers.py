@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .errors import LayoutError
+
 
 @dataclass(frozen=True, slots=True)
 class BufferParam:
@@ -99,6 +101,9 @@ def owned_ranges(buf: BufferLayout, rank: int) -> tuple[OwnedRange, ...]:
     for p in buf.params:
         by_bucket.setdefault(p.bucket, []).append(p)
     for b, (bs, be) in enumerate(buf.buckets):
+        if (be - bs) % buf.dp_size:  # Megatron asserts this too; a floor would drop the tail
+            raise LayoutError(f"bucket {b} of {be - bs} elements does not split "
+                              f"{buf.dp_size} ways")
         size = (be - bs) // buf.dp_size
         lo, hi = bs + rank * size, bs + (rank + 1) * size
         for p in by_bucket.get(b, ()):

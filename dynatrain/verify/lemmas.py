@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import z3
@@ -23,8 +24,13 @@ from z3.z3util import get_vars
 
 Num = Any  # an int, or a z3 integer term
 Cond = Any  # a bool, or a z3 boolean term
+Span = tuple[tuple[Num, ...], tuple[Num, ...]]  # a box as (lo, hi)
 
-TIMEOUT_MS = 10_000
+# A lemma: one formula, or goals proved one by one; the lemma is their conjunction, so a
+# goal may take the conclusions of the goals before it as hypotheses.
+Formula = z3.BoolRef | tuple[z3.BoolRef, ...]
+
+TIMEOUT_MS = 10_000  # per lemma
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +56,6 @@ def _sym(*xs: Any) -> bool:
 def _div(x: Num, y: Num) -> Num:
     # z3's div floors for a positive divisor, as Python's // does; every divisor here is > 0.
     return x / y if _sym(x, y) else x // y
-
-
-def _mod(x: Num, y: Num) -> Num:
-    return x % y
 
 
 def _if(c: Cond, t: Any, e: Any) -> Any:
@@ -101,8 +103,7 @@ def glu_global_row(rank: Num, j: Num, rows: Num, tp: Num) -> Num:
     return _if(j < l1, g0 + j - l0, g1 + j - l1)
 
 
-def box_and(a: tuple[tuple[Num, ...], tuple[Num, ...]],
-            b: tuple[tuple[Num, ...], tuple[Num, ...]]) -> tuple[Cond, tuple[Num, ...], tuple[Num, ...]]:
+def box_and(a: Span, b: Span) -> tuple[Cond, tuple[Num, ...], tuple[Num, ...]]:
     """``Box.__and__``: (not None, lo, hi) of the intersection of boxes ``(lo, hi)``."""
     lo = tuple(_max(x, y) for x, y in zip(a[0], b[0]))
     hi = tuple(_min(x, y) for x, y in zip(a[1], b[1]))
@@ -120,9 +121,9 @@ Piece2 = tuple[Cond, Num, Num, Num, Num]  # (emitted, row lo, row hi, col lo, co
 def flat_pieces(cols: Num, a: Num, b: Num) -> tuple[Piece2, Piece2, Piece2]:
     """``flat_boxes((rows, cols), a, b)`` for ``a < b``: head, middle and tail box, in order."""
     row = _div(a, cols)
-    head = _mod(a, cols) != 0
+    head = a % cols != 0
     end = _min(b, (row + 1) * cols)
-    head_box = (head, row, row + 1, _mod(a, cols), end - row * cols)
+    head_box = (head, row, row + 1, a % cols, end - row * cols)
     a1, row1 = _if(head, end, a), _if(head, row + 1, row)
     middle = _div(b, cols) > row1
     mid_box = (middle, row1, _div(b, cols), 0, cols)
@@ -163,24 +164,7 @@ def expert_global(ep_rank: Num, j: Num, experts: Num, ep: Num) -> Num:
 def expert_home(e: Num, experts: Num, ep: Num) -> tuple[Num, Num]:
     """(EP rank, local index) that holds global expert ``e`` (the inverse of expert_global)."""
     per_rank = _div(experts, ep)
-    return _div(e, per_rank), _mod(e, per_rank)
-
-
-def grid_rank(coords: tuple[Num, ...], sizes: tuple[Num, ...]) -> Num:
-    """``Grid.rank``: mixed radix, the first token fastest."""
-    rank, stride = 0, 1
-    for c, s in zip(coords, sizes):
-        rank, stride = rank + c * stride, stride * s
-    return rank
-
-
-def grid_coords(rank: Num, sizes: tuple[Num, ...]) -> tuple[Num, ...]:
-    """``Grid.coords``: peel one token at a time with mod and div."""
-    out = []
-    for s in sizes:
-        out.append(_mod(rank, s))
-        rank = _div(rank, s)
-    return tuple(out)
+    return _div(e, per_rank), e % per_rank
 
 
 def index_window(entry_lo: Num, query_lo: Num, query_hi: Num, reach: Num) -> Cond:
@@ -209,47 +193,38 @@ def even_split_tiles(split: Callable[..., tuple[Num, Num]] = even_shard) -> z3.B
         ))
 
 
-def glu_shard_bijective(row_of: Callable[..., Num] = glu_global_row) -> z3.BoolRef:
+def glu_shard_bijective(row_of: Callable[..., Num] = glu_global_row) -> tuple[z3.BoolRef, ...]:
     """SwiGLU: (TP rank, local row) -> global row is a bijection onto [0, rows) for 2*tp | rows.
 
-    The two pieces also tile the local rows: 2 * chunk == rows / tp.
+    ``shard`` rejects other sizes, so ``rows = 2 * tp * f``. First goal: half, chunk and the
+    local size are tp*f, f and 2*f, so the two pieces tile the local rows; the later goals
+    assume it (z3 finds those quotients reliably only as a goal of their own).
     """
-    rows, tp, r, j, r2, j2, x = _ints("rows tp r j r2 j2 x")
-    local = rows / tp
-    chunk = rows / 2 / tp
-    half = rows / 2
+    rows, tp, f, r, j, r2, j2, x = _ints("rows tp f r j r2 j2 x")
+    half, chunk, local = rows / 2, rows / 2 / tp, rows / tp  # as shard() computes them
+    sizes = z3.And(tp > 0, f > 0, rows == 2 * tp * f)
+    known = z3.And(sizes, half == tp * f, chunk == f, local == 2 * f)
     valid = lambda rr, jj: z3.And(_between(0, rr, tp), _between(0, jj, local))  # noqa: E731
     # A preimage of x: its half, then its rank and offset within that half.
     k = x / half
-    xr, xo = (x - k * half) / chunk, (x - k * half) % chunk
-    return z3.Implies(
-        z3.And(tp > 0, rows > 0, rows % (2 * tp) == 0),
-        z3.And(
-            2 * chunk == local,
-            z3.Implies(valid(r, j), _between(0, row_of(r, j, rows, tp), rows)),
-            z3.Implies(z3.And(valid(r, j), valid(r2, j2),
-                              row_of(r, j, rows, tp) == row_of(r2, j2, rows, tp)),
-                       z3.And(r == r2, j == j2)),
-            z3.Implies(_between(0, x, rows),
-                       z3.And(valid(xr, k * chunk + xo), row_of(xr, k * chunk + xo, rows, tp) == x)),
-        ))
+    xr, xj = (x - k * half) / chunk, k * chunk + (x - k * half) % chunk
+    return (
+        z3.Implies(sizes, z3.And(half == tp * f, chunk == f, local == 2 * f)),
+        z3.Implies(z3.And(known, valid(r, j)), _between(0, row_of(r, j, rows, tp), rows)),
+        z3.Implies(z3.And(known, valid(r, j), valid(r2, j2),
+                          row_of(r, j, rows, tp) == row_of(r2, j2, rows, tp)),
+                   z3.And(r == r2, j == j2)),
+        z3.Implies(z3.And(known, _between(0, x, rows)),
+                   z3.And(valid(xr, xj), row_of(xr, xj, rows, tp) == x)),
+    )
 
 
-def _box_and_exact(ndim: int, inter: Callable[..., tuple] = box_and) -> z3.BoolRef:
+def box_and_exact(ndim: int, inter: Callable[..., tuple] = box_and) -> z3.BoolRef:
+    """``Box.__and__`` in ``ndim`` dims holds a point iff both boxes do (None iff none does)."""
     vs = _ints(" ".join(f"{n}{d}" for n in ("alo", "ahi", "blo", "bhi", "p") for d in range(ndim)))
     alo, ahi, blo, bhi, p = (tuple(vs[i * ndim:(i + 1) * ndim]) for i in range(5))
     ok, lo, hi = inter((alo, ahi), (blo, bhi))
     return z3.And(ok, box_has(lo, hi, p)) == z3.And(box_has(alo, ahi, p), box_has(blo, bhi, p))
-
-
-def box_and_1d(inter: Callable[..., tuple] = box_and) -> z3.BoolRef:
-    """1-D ``Box.__and__`` holds a point iff both boxes do (None iff they share none)."""
-    return _box_and_exact(1, inter)
-
-
-def box_and_2d(inter: Callable[..., tuple] = box_and) -> z3.BoolRef:
-    """2-D ``Box.__and__`` holds a point iff both boxes do (None iff they share none)."""
-    return _box_and_exact(2, inter)
 
 
 def _row_major_lex(C: Num, i: Num, j: Num, i2: Num, j2: Num) -> z3.BoolRef:
@@ -288,20 +263,23 @@ def flat_boxes_2d(pieces: Callable[..., tuple] = flat_pieces) -> z3.BoolRef:
 
 
 def vocab_padding(pad: Callable[..., Num] = padded_vocab_rows) -> z3.BoolRef:
-    """Padded vocab P: V <= P < V + m*tp, tp | P, and padding rows only end a rank's shard.
+    """Padded vocab P: V <= P < V + m*tp and tp | P; padding rows only end a rank's shard.
 
-    Rank r holds rows [r*P/tp, (r+1)*P/tp); its logical part (``logical_box`` clips hi to V)
-    keeps the shard's lo, so local offsets stay valid, and is empty iff r*P/tp >= V.
+    Rank r holds rows [lo, hi) = [r*P/tp, (r+1)*P/tp). ``logical_box`` clips hi to V: the
+    result is exactly the shard's real rows, starts at lo (local offsets stay valid) and is
+    empty (None) iff lo >= V.
     """
     V, m, tp, r, x = _ints("V m tp r x")
     P = pad(V, m, tp)
     lo, hi = r * (P / tp), (r + 1) * (P / tp)
+    clipped = _min(hi, V)
     return z3.Implies(
         z3.And(V > 0, m > 0, tp > 0),
         z3.And(
             V <= P, P - V < m * tp, P % tp == 0,
-            z3.Implies(z3.And(_between(0, r, tp), _between(lo, x, hi), x < V),
-                       z3.And(_between(lo, x, z3.If(hi < V, hi, V)), lo < V)),
+            z3.Implies(_between(0, r, tp),
+                       z3.And(_between(lo, x, clipped) == z3.And(_between(lo, x, hi), x < V),
+                              (lo < clipped) == (lo < V))),
         ))
 
 
@@ -412,27 +390,24 @@ def expert_owner_unique(home: Callable[..., tuple[Num, Num]] = expert_home) -> z
         ))
 
 
-def grid_coords_bijective(ntokens: int = 3) -> z3.BoolRef:
-    """``Grid.rank`` and ``Grid.coords`` are inverse bijections between coordinates and [0, W).
+def grid_radix_step() -> z3.BoolRef:
+    """(c, q) -> c + s*q is a bijection [0, s) x [0, W) -> [0, s*W), inverted by (mod s, div s).
 
-    So in a group that fixes every token but one (e.g. an EDP replica's EP group), each value
-    of that token is exactly one rank: each expert has one EP owner per replica.
+    ``Grid.rank`` is c0 + s0 * (rank of the other tokens) and ``Grid.coords`` peels
+    (rank mod s0, rank div s0) the same way, so by induction on the tokens they are inverse
+    bijections between coordinates and [0, world). A group that fixes every token but one
+    (an EDP replica's EP group) thus has exactly one rank per value of that token.
     """
-    sizes = tuple(_ints(" ".join(f"s{t}" for t in range(ntokens))))
-    cs = tuple(_ints(" ".join(f"c{t}" for t in range(ntokens))))
-    rank, = _ints("rank")
-    world = grid_rank(tuple(s - 1 for s in sizes), sizes) + 1
-    back = grid_coords(rank, sizes)
+    s, W, c, q, rank = _ints("s W c q rank")
+    joined = c + s * q
     return z3.Implies(
-        z3.And(*(s > 0 for s in sizes)),
+        z3.And(s > 0, W > 0),
         z3.And(
-            z3.Implies(z3.And(*(_between(0, c, s) for c, s in zip(cs, sizes))),
-                       z3.And(_between(0, grid_rank(cs, sizes), world),
-                              *(x == c for x, c in zip(grid_coords(grid_rank(cs, sizes), sizes),
-                                                       cs)))),
-            z3.Implies(_between(0, rank, world),
-                       z3.And(grid_rank(back, sizes) == rank,
-                              *(_between(0, c, s) for c, s in zip(back, sizes)))),
+            z3.Implies(z3.And(_between(0, c, s), _between(0, q, W)),
+                       z3.And(_between(0, joined, s * W), joined % s == c, joined / s == q)),
+            z3.Implies(_between(0, rank, s * W),
+                       z3.And(_between(0, rank % s, s), _between(0, rank / s, W),
+                              rank % s + s * (rank / s) == rank)),
         ))
 
 
@@ -475,13 +450,11 @@ def index_query_window(window: Callable[..., Cond] = index_window) -> z3.BoolRef
     return z3.Implies(z3.And(meets, ehi - elo <= reach), window(elo, qlo, qhi, reach))
 
 
-Formula = z3.BoolRef | tuple[z3.BoolRef, ...]  # one formula, or goals proved one by one
-
 LEMMAS: dict[str, Callable[[], Formula]] = {
     "even_split_tiles": even_split_tiles,
     "glu_shard_bijective": glu_shard_bijective,
-    "box_and_1d": box_and_1d,
-    "box_and_2d": box_and_2d,
+    "box_and_1d": partial(box_and_exact, 1),
+    "box_and_2d": partial(box_and_exact, 2),
     "row_major_lex": row_major_lex,
     "flat_boxes_2d": flat_boxes_2d,
     "vocab_padding": vocab_padding,
@@ -491,7 +464,7 @@ LEMMAS: dict[str, Callable[[], Formula]] = {
     "optimizer_param_pieces": optimizer_param_pieces,
     "optimizer_piece_lengths_sum": optimizer_piece_lengths_sum,
     "expert_owner_unique": expert_owner_unique,
-    "grid_coords_bijective": grid_coords_bijective,
+    "grid_radix_step": grid_radix_step,
     "box_subset_transitive_2d": box_subset_transitive_2d,
     "box_split_volume_2d": box_split_volume_2d,
     "index_query_window": index_query_window,
@@ -567,7 +540,7 @@ def prove(lemma: str | Callable[[], Formula], timeout_ms: int = TIMEOUT_MS) -> L
     return LemmaResult(name, proved, time.perf_counter() - t0, cex)
 
 
-def _prove_goal(goal: z3.BoolRef, timeout_ms: int) -> tuple[z3.CheckSatResult, dict[str, int] | None]:
+def _prove_goal(goal: z3.BoolRef, timeout_ms: int) -> tuple[z3.CheckSatResult, dict | None]:
     t0 = time.perf_counter()
     verdict, model = _check(purify_divisions(goal), timeout_ms)
     cex = _falsifies(goal, model) if model is not None else None

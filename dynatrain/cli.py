@@ -260,6 +260,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_prove(args: argparse.Namespace) -> int:
+    from .verify.lemmas import LEMMAS, prove
+
+    names = args.lemma or list(LEMMAS)
+    unknown = [n for n in names if n not in LEMMAS]
+    if unknown:
+        raise DynatrainError(f"prove: no lemma {unknown[0]!r} (known: {', '.join(LEMMAS)})")
+    failed = 0
+    for name in names:
+        r = prove(name)
+        failed += not r.proved
+        verdict = "proved" if r.proved else (
+            f"FAILED, counterexample {r.counterexample}" if r.counterexample else "FAILED (timeout)")
+        print(f"  {name:<30} {verdict:<10} {r.seconds:6.3f} s")
+    print(f"{len(names) - failed} of {len(names)} lemmas proved for all sizes and ranks (z3)")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="dynatrain", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -296,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--topology", default="h100",
                     help="h100, h800 or a topology YAML file (device memory capacity)")
     ve.set_defaults(func=cmd_verify)
+    pr = sub.add_parser("prove", help="prove with z3 the region arithmetic plans rely on")
+    pr.add_argument("lemma", nargs="*", help="lemma names (default: all)")
+    pr.set_defaults(func=cmd_prove)
     return ap
 
 

@@ -79,3 +79,11 @@ def test_a_plan_cannot_raise_its_own_budget(tmp_path, capsys) -> None:
     capsys.readouterr()
     assert _verify(tmp_path, doc, "--budget", "4KiB") == 1
     assert "over the budget of 4096" in capsys.readouterr().out
+
+
+def test_prove_lists_each_lemma_and_exits_0(capsys) -> None:
+    assert main(["prove", "even_split_tiles", "expert_owner_unique"]) == 0
+    out = capsys.readouterr().out
+    assert "even_split_tiles" in out and "2 of 2 lemmas proved" in out
+    assert main(["prove", "no_such_lemma"]) == 2
+    assert "no lemma 'no_such_lemma'" in capsys.readouterr().err

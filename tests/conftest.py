@@ -1,0 +1,31 @@
+"""Hypothesis profiles for the property gate (tests/test_gate.py), chosen by DYNATRAIN_HYPOTHESIS.
+
+``ci`` (the default) is derandomized, so every run checks the same examples and a red CI run
+is reproducible; ``deep`` draws fresh examples each run, many more of them, for hunting bugs.
+Tests that pass their own settings profile (tests/test_spec_hostile.py) are unaffected.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,  # derandomized: replaying saved failures would only add noise
+    deadline=None,  # example time varies with world size and budget; no per-example limit
+    max_examples=1000,
+    print_blob=True,
+    # Each example plans and simulates a whole transition: slow by hypothesis' standards.
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "deep",
+    max_examples=2000,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("DYNATRAIN_HYPOTHESIS", "ci"))

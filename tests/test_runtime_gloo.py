@@ -1,0 +1,283 @@
+"""The torch runtime executes plans across real gloo processes, bit for bit and all or nothing.
+
+Each case plans a transition in the parent, forks one process per device of the switch (fork is
+~0.2 s where spawn re-imports torch for seconds), and in every process builds the source storage
+from the same random global tensors (bf16 params, fp32 optimizer state, int64 step), runs
+``switch`` and compares the destination storage byte for byte with the storage built directly
+from the same tensors for the destination layout. Source checksums and measured staging against
+the budget are checked too. Fault cases inject a failure or a hang into one process mid-round:
+every process must raise ``SwitchAborted`` within bounded time with its source intact, and the
+same switch must then commit on retry. Workers report through JSON files (no pickles).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from dynatrain.ir.layout import Layout
+from dynatrain.ir.loader import spec_from_dict
+from dynatrain.ir.state import StateView
+from dynatrain.planner.pipeline import plan_transition
+from dynatrain.planner.plan import Plan
+from dynatrain.runtime.executor import SwitchAborted, process_devices, switch
+from dynatrain.runtime.storage import checksums, fill_from_global, random_global, torch_dtype
+from dynatrain.verify.simulate import materialize
+
+DENSE = dict(num_layers=4, hidden_size=48, num_attention_heads=12, num_query_groups=6,
+             ffn_hidden_size=96, vocab_size=150, make_vocab_size_divisible_by=8, swiglu=True,
+             max_position_embeddings=32)
+MOE = dict(DENSE, num_moe_experts=4, moe_ffn_hidden_size=24, moe_router_enable_expert_bias=True,
+           moe_router_score_function="sigmoid", moe_shared_expert_intermediate_size=48)
+
+
+def spec(model: dict, devices: int | list[str], derive: bool = False, **par: object):
+    if isinstance(devices, int):
+        devices = [f"node{i // 4}:gpu{i % 4}" for i in range(devices)]
+    return spec_from_dict({"model": model, "parallel": par, "world": {"devices": devices},
+                           "state": {"derive_param": derive}})
+
+
+D = [f"node{n}:gpu{g}" for n in range(2) for g in range(4)]  # 8 device ids on two "nodes"
+
+# name -> (source spec, destination spec, budget bytes)
+CASES = {
+    "tp2->tp3": (spec(DENSE, 4, tp=2), spec(DENSE, 3, tp=3), 1 << 30),
+    "pp2->pp3-uneven": (spec(DENSE, 2, pp=2),
+                        spec(DENSE, 3, pp=3, decoder_first_pipeline_num_layers=2), 1 << 30),
+    # DP shrink onto a partly different device set: source-only and destination-only devices.
+    "pp2-vpp2->tp2-pp2": (spec(DENSE, 4, pp=2, vpp=2), spec(DENSE, 4, tp=2, pp=2), 1 << 30),
+    "replicated->distopt-buckets": (spec(DENSE, 4, use_distributed_optimizer=False),
+                                    spec(DENSE, 4, pp=2, overlap_grad_reduce=True,
+                                         bucket_size=3000), 1 << 30),
+    "dp4->dp2-moved": (spec(DENSE, D[:4]), spec(DENSE, [D[2], D[5]]), 1 << 30),
+    "distopt->replicated": (spec(DENSE, 4, tp=2),
+                            spec(DENSE, 4, tp=2, use_distributed_optimizer=False), 1 << 30),
+    "moe-ep2->ep4-etp1": (spec(MOE, 4, tp=2, ep=2), spec(MOE, 4, ep=4), 1 << 30),
+    "moe-ep4-etp1->tp2-etp2-ep2-pp2": (spec(MOE, 4, ep=4, etp=1), spec(MOE, 8, tp=2, ep=2, pp=2),
+                                       1 << 30),
+    # A tiny budget splits messages into many rounds.
+    "tp1->tp2-dp2-small-budget": (spec(DENSE, 2), spec(DENSE, 4, tp=2), 16384),
+    "untied-grow-8": (spec({**DENSE, "untie_embeddings_and_output_weights": True}, 4, tp=2),
+                      spec({**DENSE, "untie_embeddings_and_output_weights": True}, 8, tp=2,
+                           pp=2), 1 << 30),
+    "derive-distopt-tp2->dp2-pp2": (spec(DENSE, 4, tp=2), spec(DENSE, 4, derive=True, pp=2),
+                                    1 << 30),
+    "derive-moe-ep4->ep2-edp2": (spec(MOE, 4, ep=4), spec(MOE, 4, derive=True, ep=2), 1 << 30),
+    "derive-dp4-2-instances": (spec(DENSE, 4, tp=2),
+                               spec(DENSE, 4, derive=True, num_distributed_optimizer_instances=2),
+                               1 << 30),
+    "derive-replicated-moe": (spec(MOE, 4, ep=2),
+                              spec(MOE, 4, derive=True, ep=4, use_distributed_optimizer=False),
+                              1 << 30),
+}
+SEED = 5
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a forked worker needs (inherited through fork, never pickled)."""
+
+    plan: Plan
+    src: StateView
+    dst: StateView
+    devices: tuple[str, ...]
+    out: Path
+    timeout: float
+    fault: str = "none"  # none | raise | hang | vote
+    victim: int = 1  # process index the fault hits
+    fault_round: int = 1
+
+
+def _init(job: Job, idx: int, attempt: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{job.out}/store{attempt}", rank=idx,
+                            world_size=len(job.devices),
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def _tensors(job: Job) -> dict:
+    tensors = random_global(job.src, SEED)
+    if job.plan.derived:  # Megatron's invariant at a step boundary: param == cast(main_param)
+        pdtype = torch_dtype(job.src.kinds["param"])
+        for key, kind in list(tensors):
+            if kind == "param":
+                tensors[(key, kind)] = tensors[(key, "main_param")].to(pdtype)
+    return tensors
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _check_commit(job: Job, device: str, tensors: dict, src, before, dst, report) -> list[str]:
+    """Every way the committed switch on ``device`` could be wrong, as messages."""
+    errors = []
+    if device in job.plan.dst_devices:
+        want = fill_from_global(job.dst, job.plan.dst_devices.index(device), tensors)
+        if dst is None or dst.keys() != want.keys():
+            return [f"{device}: destination keys differ"]
+        for k, w in want.items():
+            g = dst[k]
+            if g.dtype != w.dtype or g.shape != w.shape or not torch.equal(_bits(g), _bits(w)):
+                errors.append(f"{device}: {k} differs ({g.dtype} {tuple(g.shape)})")
+    elif dst is not None:
+        errors.append(f"{device} is no destination device but got a storage")
+    if src is not None and checksums(src) != before:
+        errors.append(f"{device}: source storage changed")
+    if report["peak_staging_bytes"] > job.plan.budget_bytes:
+        errors.append(f"{device}: staged {report['peak_staging_bytes']} > budget")
+    if report["peak_staging_bytes"] != report["planned_peak_staging_bytes"]:
+        errors.append(f"{device}: staged {report['peak_staging_bytes']}, plan says "
+                      f"{report['planned_peak_staging_bytes']}")
+    if report["rounds"] != len(job.plan.rounds):
+        errors.append(f"{device}: ran {report['rounds']} of {len(job.plan.rounds)} rounds")
+    return errors
+
+
+def _fault_hook(job: Job, src, saved: list):
+    """The ``on_round`` hook of the victim: raise, hang, or corrupt its source (voted out)."""
+    def hook(i: int) -> None:
+        if i != job.fault_round:
+            return
+        if job.fault == "raise":
+            raise RuntimeError("injected failure")
+        if job.fault == "hang":
+            time.sleep(job.timeout + 1.5)
+        if job.fault == "vote":  # flip one source element; the worker restores it afterwards
+            k = sorted(src, key=repr)[0]
+            saved.append((k, src[k].clone()))
+            src[k].view(-1)[0] += 1
+    return hook
+
+
+def _worker(idx: int, job: Job) -> None:
+    torch.set_num_threads(1)  # 2 cores shared by up to 8 processes
+    device = job.devices[idx]
+    res: dict = {"device": device, "errors": []}
+    try:
+        _init(job, idx, 0)
+        tensors = _tensors(job)
+        src = None
+        if device in job.plan.src_devices:
+            src = fill_from_global(job.src, job.plan.src_devices.index(device), tensors)
+        before = checksums(src) if src is not None else None
+        saved: list = []  # (key, original) of a source tensor the vote fault corrupts
+        hook = _fault_hook(job, src, saved) if job.fault != "none" and idx == job.victim else None
+        if job.fault != "none":
+            t0 = time.perf_counter()
+            try:
+                switch(job.plan, job.src, job.dst, device, src, timeout=job.timeout,
+                       verify_source=True, on_round=hook)
+                res["errors"].append(f"{device}: the faulty switch committed")
+            except SwitchAborted as err:
+                res["abort"] = {"message": str(err), "seconds": time.perf_counter() - t0,
+                                "round": err.round_index, "peer": err.peer,
+                                "group_destroyed": err.group_destroyed}
+            for k, original in saved:
+                src[k].copy_(original)
+            if src is not None and checksums(src) != before:
+                res["errors"].append(f"{device}: source changed by the aborted switch")
+            if not dist.is_initialized():  # destroyed on abort: retry in a fresh group
+                _init(job, idx, 1)
+        t0 = time.perf_counter()
+        dst, report = switch(job.plan, job.src, job.dst, device, src, timeout=job.timeout)
+        res["seconds"] = time.perf_counter() - t0
+        res["report"] = {k: v for k, v in report.items() if k != "per_round"}
+        res["errors"] += _check_commit(job, device, tensors, src, before, dst, report)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 — reported to the parent, which fails the test
+        res["errors"].append(f"{device} crashed:\n{traceback.format_exc()}")
+    (job.out / f"result{idx}.json").write_text(json.dumps(res), encoding="utf-8")
+
+
+def run_switch(name: str, tmp_path: Path, timeout: float = 20.0, fault: str = "none",
+               **kw: object) -> tuple[Job, list[dict]]:
+    """Plan ``CASES[name]``, run it in one forked process per device; per-process results."""
+    src, dst, budget = CASES[name]
+    sv, dv = StateView(Layout(src)), StateView(Layout(dst))
+    plan = plan_transition(sv.layout, dv.layout, budget)
+    job = Job(plan, sv, dv, process_devices(plan), tmp_path, timeout, fault, **kw)
+    ctx = tmp.start_processes(_worker, args=(job,), nprocs=len(job.devices), join=False,
+                              start_method="fork")
+    deadline = time.monotonic() + 90
+    try:
+        while not ctx.join(timeout=0.2):
+            assert time.monotonic() < deadline, f"{name}: workers hung"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = [json.loads((tmp_path / f"result{i}.json").read_text(encoding="utf-8"))
+               for i in range(len(job.devices))]
+    return job, results
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_storage_follows_the_numpy_oracle(name: str) -> None:
+    # The torch storage must be the oracle's storage model with real dtypes: same keys, shapes
+    # and values (the draws are exact in fp32: bf16 widens exactly, the step is < 2**24).
+    for spec_ in CASES[name][:2]:
+        view = StateView(Layout(spec_))
+        tensors = random_global(view, SEED)
+        oracle = materialize(view, {k: t.float().numpy() for k, t in tensors.items()})
+        kind_dtype = {**view.kinds, "buffer": "fp32", "step": "int64"}
+        for rank, want in enumerate(oracle):
+            got = fill_from_global(view, rank, tensors)
+            assert got.keys() == want.keys()
+            for k, w in want.items():
+                assert got[k].dtype == torch_dtype(kind_dtype[k[0]]), k
+                assert tuple(got[k].shape) == w.shape, k
+                assert torch.equal(got[k].double(), torch.from_numpy(w).double()), (rank, k)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_switch_is_bit_exact_across_processes(name: str, tmp_path: Path) -> None:
+    job, results = run_switch(name, tmp_path)
+    assert [e for r in results for e in r["errors"]] == []
+    moved = sum(r["report"]["bytes_sent"] for r in results)
+    assert moved == job.plan.stats["bytes_moved"]
+    assert moved == sum(r["report"]["bytes_received"] for r in results)
+    if name.endswith("small-budget"):
+        assert len(job.plan.rounds) > 3
+    if job.plan.derived:
+        assert all("param" not in t.kinds for m in job.plan.messages() for t in m.transfers)
+
+
+def test_failure_mid_round_aborts_everywhere_then_retry_commits(tmp_path: Path) -> None:
+    job, results = run_switch("tp1->tp2-dp2-small-budget", tmp_path, timeout=5.0,
+                              fault="raise", victim=1, fault_round=2)
+    assert [e for r in results for e in r["errors"]] == []
+    victim = results[1]["abort"]
+    assert "round 2" in victim["message"] and "injected failure" in victim["message"]
+    for r in results:  # everyone aborted in bounded time, in a round, and destroyed the group
+        assert r["abort"]["seconds"] < 15, r["abort"]
+        assert r["abort"]["round"] is not None and r["abort"]["group_destroyed"]
+        assert r["report"]["rounds"] == len(job.plan.rounds)  # the retry committed
+
+
+def test_hung_process_times_out_everywhere_then_retry_commits(tmp_path: Path) -> None:
+    job, results = run_switch("dp4->dp2-moved", tmp_path, timeout=2.0, fault="hang", victim=2,
+                              fault_round=0)
+    assert [e for r in results for e in r["errors"]] == []
+    for i, r in enumerate(results):
+        if i != 2:
+            assert r["abort"]["seconds"] < 10, r["abort"]
+    assert any(r["abort"]["peer"] == job.devices[2] for r in results)  # someone names the hung one
+
+
+def test_failed_vote_aborts_everywhere_and_keeps_the_group(tmp_path: Path) -> None:
+    job, results = run_switch("tp2->tp3", tmp_path, timeout=10.0, fault="vote", victim=0,
+                              fault_round=0)
+    assert [e for r in results for e in r["errors"]] == []
+    for r in results:
+        assert "commit vote" in r["abort"]["message"], r["abort"]
+        assert r["abort"]["peer"] == job.devices[0] and not r["abort"]["group_destroyed"]

@@ -1,0 +1,346 @@
+"""Read and write one rank's live Megatron-core training state as the IR's local storage.
+
+``extract_state`` binds every storage tensor the IR expects on a rank (``storage.allocate``'s
+keys, shapes and dtypes) to the tensor of the running job that holds it: the bf16 module
+parameter (which, with the distributed optimizer, is a view of the DDP param buffer), the fp32
+main parameter, Adam's exp_avg/exp_avg_sq (the DistributedOptimizer's flat shard of each
+parameter, or whole TP-local tensors without it), the router's expert_bias buffer and Adam's
+step. It returns views of those tensors, never copies, except for the step (an int64 scalar
+read from the optimizer) and an expert_bias still in the bf16 that ``Float16Module`` cast it to
+before the first forward (megatron's router restores fp32 itself on the next forward).
+
+``install_state`` writes a storage into the model chunks and optimizer of the same layout in
+place, so megatron's own references (DDP param buffer, ``param.main_param``, the inner
+optimizer's param groups) keep pointing at the installed values and training continues on them.
+
+Every binding is checked against the IR before anything is read or written: parameter names and
+local shapes per chunk, dtypes, and, with the distributed optimizer, each parameter's range in
+the optimizer's shard (``DistributedOptimizer._get_model_param_range_map``) against the IR's.
+A job that the spec does not describe raises ``LayoutError`` naming the first difference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...ir.errors import LayoutError
+from ...ir.state import BufferSlot, FlatSlot, ParamSlot, StateView
+from ..storage import Storage, slot_key, torch_dtype
+
+STEP_KEY = slot_key("step", BufferSlot(-1, "step"))
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSpec:
+    """Shape and dtype of one storage tensor of a rank (what ``storage.allocate`` makes)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def storage_spec(view: StateView, rank: int) -> dict[tuple, SlotSpec]:
+    """Every storage key of ``rank`` with its shape and dtype, without allocating anything."""
+    L = view.layout
+    tensors = view.tensors()
+    shapes = {(cs.chunk.vp, sh.param.name): sh.local_shape for cs in L.rank_shards(rank)
+              for sh in cs.shards}
+    lengths = {(b.chunk, o.name): o.param[1] - o.param[0] for b, owned in L.rank_owned(rank)
+               for o in owned}
+    out: dict[tuple, SlotSpec] = {}
+    for reg in view.regions(rank):
+        k = slot_key(reg.kind, reg.slot)
+        if k in out:
+            continue
+        s = reg.slot
+        if isinstance(s, ParamSlot):
+            shape = shapes[(s.chunk, s.name)]
+        elif isinstance(s, FlatSlot):
+            shape = (lengths[(s.chunk, s.name)],)
+        else:
+            shape = reg.box.shape
+        out[k] = SlotSpec(tuple(shape), torch_dtype(tensors[(reg.key, reg.kind)].dtype))
+    return out
+
+
+@dataclass
+class _Bound:
+    """One rank's live objects, keyed the way the IR names them."""
+
+    params: dict[tuple[int, str], torch.nn.Parameter] = field(default_factory=dict)
+    buffers: dict[tuple[int, str], tuple[torch.nn.Module, str]] = field(default_factory=dict)
+    # (chunk, name) -> (leaf megatron optimizer, its fp32 main param for this parameter)
+    mains: dict[tuple[int, str], tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    optimizers: list = field(default_factory=list)
+
+    def buffer(self, chunk: int, name: str) -> torch.Tensor:
+        module, attr = self.buffers[(chunk, name)]
+        return getattr(module, attr)
+
+
+def _leaf_optimizers(optimizer: Any) -> list:
+    leaves = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    return [o for o in leaves if not getattr(o, "is_stub_optimizer", False)]
+
+
+def _chunk_modules(model_chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    from megatron.core.utils import unwrap_model
+
+    return list(unwrap_model(list(model_chunks)))
+
+
+def _bind(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
+          optimizer: Any) -> _Bound:
+    L = view.layout
+    chunks = L.rank_shards(rank)
+    modules = _chunk_modules(model_chunks)
+    if len(modules) != len(chunks):
+        raise LayoutError(f"rank {rank}: the layout has {len(chunks)} model chunk(s), the job "
+                          f"passed {len(modules)}")
+    b = _Bound()
+    where: dict[int, tuple[int, str]] = {}  # id(param) -> (chunk, name)
+    for cs, module in zip(chunks, modules):
+        vp = cs.chunk.vp
+        live = {n: p for n, p in module.named_parameters()}
+        want = {sh.param.name: sh.local_shape for sh in cs.shards}
+        if set(live) != set(want):
+            extra, missing = sorted(set(live) - set(want)), sorted(set(want) - set(live))
+            raise LayoutError(f"rank {rank} chunk {vp}: the model's parameters differ from the "
+                              f"layout's: only in the model {extra[:3]}, only in the layout "
+                              f"{missing[:3]}")
+        for name, shape in want.items():
+            p = live[name]
+            if tuple(p.shape) != shape:
+                raise LayoutError(f"rank {rank} chunk {vp}: {name} has local shape "
+                                  f"{list(p.shape)}, the layout says {list(shape)}")
+            b.params[(vp, name)] = p
+            where[id(p)] = (vp, name)
+        buffers = dict(module.named_buffers())
+        for d in cs.buffers:
+            if buffers.get(d.name) is None:
+                raise LayoutError(f"rank {rank} chunk {vp}: the model has no buffer {d.name}")
+            owner, _, attr = d.name.rpartition(".")
+            b.buffers[(vp, d.name)] = (module.get_submodule(owner), attr)
+    if len(view.kinds) > 1:
+        b.optimizers = _leaf_optimizers(optimizer)
+        if L.parallel.use_distributed_optimizer:
+            _bind_distributed(L, rank, b, where)
+        else:
+            _bind_replicated(rank, b, where)
+    return b
+
+
+def _bind_distributed(L, rank: int, b: _Bound, where: dict) -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    want = {(buf.chunk, o.name): o.param for buf, owned in L.rank_owned(rank) for o in owned}
+    for opt in b.optimizers:
+        if not isinstance(opt, DistributedOptimizer):
+            raise LayoutError(f"rank {rank}: the layout uses the distributed optimizer, the job "
+                              f"runs {type(opt).__name__}")
+        for p in opt.model_param_gbuf_map:
+            key = where.get(id(p))
+            if key is None:
+                raise LayoutError(f"rank {rank}: the optimizer holds a parameter of shape "
+                                  f"{list(p.shape)} that is not in the model chunks passed")
+            r = opt._get_model_param_range_map(p)["param"]
+            if want.get(key) != (r.start, r.end):
+                raise LayoutError(f"rank {rank}: the optimizer owns [{r.start}, {r.end}) of "
+                                  f"chunk {key[0]} {key[1]}, the layout says {want.get(key)}")
+            main = opt._get_main_param_and_optimizer_states(p)["param"]
+            b.mains[key] = (opt, main)
+    if missing := sorted(set(want) - set(b.mains)):
+        raise LayoutError(f"rank {rank}: the layout gives this rank's optimizer a shard of "
+                          f"{missing[:3]}, the job's optimizer has none")
+
+
+def _bind_replicated(rank: int, b: _Bound, where: dict) -> None:
+    for opt in b.optimizers:
+        if not hasattr(opt, "fp32_from_float16_groups"):
+            raise LayoutError(f"rank {rank}: expected megatron's Float16OptimizerWithFloat16Params"
+                              f" (bf16 params, fp32 main params), got {type(opt).__name__}")
+        if any(opt.fp32_from_fp32_groups):
+            raise LayoutError(f"rank {rank}: the job has fp32 model parameters; the layout's "
+                              "params are all in the spec's param dtype")
+        for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+            for p, main in zip(models, mains):
+                key = where.get(id(p))
+                if key is None:
+                    raise LayoutError(f"rank {rank}: the optimizer holds a parameter of shape "
+                                      f"{list(p.shape)} that is not in the model chunks passed")
+                b.mains[key] = (opt, main)
+    if missing := sorted(set(b.params) - set(b.mains)):
+        raise LayoutError(f"rank {rank}: no optimizer holds {missing[:3]}")
+
+
+# ---- Adam's step ----------------------------------------------------------------------------
+
+
+def _per_param_step(inner: Any) -> bool:
+    """torch's Adam keeps the step per parameter; Apex/TE FusedAdam keeps it per param group."""
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def read_step(optimizer: Any) -> int:
+    """Adam's step count, the same for every parameter of every optimizer (0 before any step).
+
+    Raises:
+        LayoutError: the optimizers disagree on the step.
+    """
+    steps = set()
+    for opt in _leaf_optimizers(optimizer):
+        inner = opt.optimizer
+        if _per_param_step(inner):
+            steps.update(float(s["step"]) for s in inner.state.values() if "step" in s)
+        else:
+            steps.update(float(g["step"]) for g in inner.param_groups
+                         if g["params"] and "step" in g)
+    if len(steps) > 1:
+        raise LayoutError(f"the optimizers disagree on Adam's step: {sorted(steps)}")
+    step = steps.pop() if steps else 0.0
+    if step != int(step):
+        raise LayoutError(f"Adam's step must be a whole number (got {step})")
+    return int(step)
+
+
+def _write_step(opt: Any, step: int) -> None:
+    inner = opt.optimizer
+    if _per_param_step(inner):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                old = inner.state[p].get("step")
+                # One tensor per parameter: torch's Adam increments each in place.
+                inner.state[p]["step"] = (torch.tensor(float(step)) if old is None
+                                          else torch.full_like(old, float(step)))
+    else:
+        for group in inner.param_groups:
+            group["step"] = step
+
+
+def _ensure_moments(opt: Any) -> None:
+    """Give every main param its Adam moments (megatron's own initializer: zeros)."""
+    inner = opt.optimizer
+    if any(len(inner.state[p]) == 0 or not all(k in inner.state[p] for k in _MOMENTS)
+           for g in inner.param_groups for p in g["params"]):
+        if opt.init_state_fn is None:
+            raise LayoutError(f"{type(inner).__name__} has no Adam state initializer")
+        opt.init_state_fn(inner, opt.config)
+
+
+# ---- extract / install ----------------------------------------------------------------------
+
+
+def _live(b: _Bound, key: tuple) -> torch.Tensor | None:
+    """The live tensor behind storage ``key`` (None for a moment Adam has not created yet)."""
+    kind, _, chunk, name = key
+    if kind == "param":
+        return b.params[(chunk, name)].detach()
+    if kind == "buffer":
+        return b.buffer(chunk, name).detach()
+    opt, main = b.mains[(chunk, name)]
+    if kind == "main_param":
+        return main.detach()
+    return opt.optimizer.state[main].get(kind)
+
+
+def extract_state(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
+                  optimizer: Any) -> Storage:
+    """The live state of ``rank`` as IR storage: views of the job's own tensors.
+
+    Args:
+        view: the state view of the layout the job runs.
+        rank: this process's rank in that layout.
+        model_chunks: the rank's model chunks in virtual-pipeline order (GPTModel, or wrapped
+            in Float16Module / DistributedDataParallel).
+        optimizer: what ``get_megatron_optimizer`` returned for those chunks.
+
+    Returns:
+        Storage with exactly ``storage.allocate(view, rank)``'s keys, shapes and dtypes. The
+        tensors alias the job's state (read them only); before the first optimizer step the
+        moments are zeros and the step is 0, the state Adam starts from.
+
+    Raises:
+        LayoutError: the job does not run the layout of ``view``.
+
+    Example:
+        >>> store = extract_state(view_of(Layout(spec)), rank, ddp_chunks, opt)  # doctest: +SKIP
+    """
+    b = _bind(view, rank, model_chunks, optimizer)
+    store: Storage = {}
+    for key, spec in storage_spec(view, rank).items():
+        if key == STEP_KEY:
+            t = torch.tensor(read_step(optimizer), dtype=torch.int64)
+        else:
+            t = _live(b, key)
+            if t is None:
+                t = torch.zeros(spec.shape, dtype=spec.dtype)
+            elif key[0] == "buffer" and t.dtype != spec.dtype:
+                t = t.to(spec.dtype)  # expert_bias still in Float16Module's bf16: exact
+            if t.numel() != math.prod(spec.shape) or t.dtype != spec.dtype:
+                raise LayoutError(f"rank {rank}: {key} is {t.dtype} {list(t.shape)} in the job, "
+                                  f"the layout says {spec.dtype} {list(spec.shape)}")
+            t = t.view(spec.shape)
+        store[key] = t
+    return store
+
+
+def install_state(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
+                  optimizer: Any, storage: Mapping[tuple, torch.Tensor]) -> None:
+    """Write ``storage`` into the rank's model chunks and optimizer, in place.
+
+    The model chunks and optimizer must be built for the layout of ``view`` (freshly, or
+    already training); afterwards they hold exactly ``storage``: module params (and so the DDP
+    param buffer they view), fp32 main params, Adam moments and step, expert_bias. Vocab
+    padding rows take the storage's values (zeros in a storage the executor built).
+
+    Args:
+        view, rank, model_chunks, optimizer: as for ``extract_state``.
+        storage: the rank's storage (``storage.allocate``'s keys, shapes and dtypes).
+
+    Raises:
+        LayoutError: the storage or the job does not match the layout; nothing is written.
+
+    Example:
+        >>> install_state(view, rank, ddp_chunks, opt, dst_store)  # doctest: +SKIP
+    """
+    specs = storage_spec(view, rank)
+    if set(storage) != set(specs):
+        extra, missing = set(storage) - set(specs), set(specs) - set(storage)
+        raise LayoutError(f"rank {rank}: the storage does not match the layout: extra "
+                          f"{sorted(extra, key=repr)[:3]}, missing {sorted(missing, key=repr)[:3]}")
+    for key, spec in specs.items():
+        t = storage[key]
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise LayoutError(f"rank {rank}: storage {key} is {t.dtype} {list(t.shape)}, the "
+                              f"layout says {spec.dtype} {list(spec.shape)}")
+    b = _bind(view, rank, model_chunks, optimizer)
+    with torch.no_grad():
+        for opt in b.optimizers:
+            _ensure_moments(opt)
+        pairs = []
+        for key, spec in specs.items():
+            if key == STEP_KEY:
+                continue
+            if key[0] == "buffer":
+                module, attr = b.buffers[(key[2], key[3])]
+                live = getattr(module, attr)
+                if live.dtype != spec.dtype:  # as the router's _maintain_float32_expert_bias
+                    live.data = live.data.to(spec.dtype)
+            dst = _live(b, key)
+            if dst is None or dst.numel() != math.prod(spec.shape) or dst.dtype != spec.dtype:
+                got = None if dst is None else f"{dst.dtype} {list(dst.shape)}"
+                raise LayoutError(f"rank {rank}: cannot install {key} into the job's {got}")
+            pairs.append((dst.view(spec.shape), storage[key]))
+        for dst, src in pairs:
+            dst.copy_(src)
+        if STEP_KEY in specs:
+            for opt in b.optimizers:
+                _write_step(opt, int(storage[STEP_KEY]))
+
+
+__all__ = ["STEP_KEY", "SlotSpec", "extract_state", "install_state", "read_step", "storage_spec"]

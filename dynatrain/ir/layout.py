@@ -89,16 +89,33 @@ class Layout:
 
     @lru_cache(maxsize=4096)
     def _shards(self, pp: int, tp: int, ep: int, etp: int) -> tuple[ChunkShards, ...]:
+        # Dense shards depend on (pp, tp) and expert shards on (pp, ep, etp): each is split
+        # once and a class only picks its two lists (a 256-rank MoE layout has 256 classes
+        # but 32 of each kind).
+        out = []
+        for ch, (dense, _), (expert, bufs) in zip(self.chunks(pp), self._split(pp, False, 0, tp),
+                                                  self._split(pp, True, ep, etp)):
+            shards = tuple(d if e is None else e for d, e in zip(dense, expert))
+            out.append(ChunkShards(ch, shards, bufs))
+        return tuple(out)
+
+    @lru_cache(maxsize=4096)
+    def _split(self, pp: int, expert: bool, ep: int, rank: int
+               ) -> tuple[tuple[tuple[Shard | None, ...], tuple[BufferDef, ...]], ...]:
+        """Per chunk of stage ``pp``, the shards of its expert (or dense) params, None for the
+        others: expert params split over ETP rank ``rank`` of EP rank ``ep``, dense ones over
+        TP rank ``rank`` (every EP rank has the same dense params)."""
         p = self.parallel
         out = []
         for ch in self.chunks(pp):
             defs, bufs = chunk_params(self.model, p.tp, p.ep, ep, ch.layers, ch.pre_process,
                                       ch.post_process, p.pp > 1)
-            shards = tuple(
-                shard(d, etp, p.expert_tp) if d.split and d.split.group == "etp"
-                else shard(d, tp, p.tp) for d in defs
-            )
-            out.append(ChunkShards(ch, shards, bufs))
+            if expert:
+                shards = tuple((shard(d, rank, p.expert_tp) if d.split else shard(d, 0, 1))
+                               if d.expert else None for d in defs)
+            else:
+                shards = tuple(None if d.expert else shard(d, rank, p.tp) for d in defs)
+            out.append((shards, bufs))
         return tuple(out)
 
     # ---- DDP buffers and the distributed optimizer -------------------------------------------

@@ -150,6 +150,61 @@ def local_to_global(sh: Shard, lo: tuple[int, ...], size: tuple[int, ...],
     return out
 
 
+def merge_adjacent(parts: list[tuple[tuple[int, ...], Box]], npre: int,
+                   flat_shape: tuple[int, ...] | None = None
+                   ) -> list[tuple[tuple[int, ...], Box]]:
+    """Merge consecutive (local offset, global box) parts that one translation maps.
+
+    Unsplit SwiGLU keeps Megatron's two pieces ``[gate; up]``, but locally and globally they
+    lie end to end: one region serves where two would double every transfer of the weight.
+    Two parts merge when they abut along one local dim, by the same step in the global box,
+    and agree in every other dim (``npre`` leading global dims are the size-1 layer/expert
+    axes). For a flat slot (``flat_shape``: the local tensor's shape) the merged block must
+    also be contiguous in row-major order, since the flat shard stores it as one run.
+    """
+    out = parts[:1]
+    for lo, box in parts[1:]:
+        plo, pbox = out[-1]
+        d = _abutting_dim(plo, pbox, lo, box, npre)
+        merged = None
+        if d is not None:
+            merged = Box(pbox.lo, tuple(box.hi[i] if i == npre + d else h
+                                        for i, h in enumerate(pbox.hi)))
+            if flat_shape is not None and not _row_major_contiguous(
+                    flat_shape, merged.shape[npre:]):
+                merged = None
+        if merged is None:
+            out.append((lo, box))
+        else:
+            out[-1] = (plo, merged)
+    return out
+
+
+def _abutting_dim(alo: tuple[int, ...], a: Box, blo: tuple[int, ...], b: Box,
+                  npre: int) -> int | None:
+    """The local dim along which part b continues part a under the same translation."""
+    if a.lo[:npre] != b.lo[:npre] or a.hi[:npre] != b.hi[:npre]:
+        return None
+    found = None
+    for d, (x, y) in enumerate(zip(alo, blo)):
+        g = npre + d
+        if x == y and a.lo[g] == b.lo[g] and a.hi[g] == b.hi[g]:
+            continue
+        step = a.hi[g] - a.lo[g]
+        if found is not None or y != x + step or b.lo[g] != a.hi[g]:
+            return None
+        found = d
+    return found
+
+
+def _row_major_contiguous(shape: tuple[int, ...], size: tuple[int, ...]) -> bool:
+    """Whether a block of ``size`` inside a row-major tensor of ``shape`` is one run."""
+    for d, n in enumerate(size):
+        if n > 1:
+            return tuple(size[d + 1:]) == tuple(shape[d + 1:])
+    return True
+
+
 class StateView:
     """Logical tensors and per-rank regions of a ``Layout`` for the state kinds its spec names."""
 
@@ -204,6 +259,18 @@ class StateView:
         """
         return self.param_part(rank) + self.shard_part(rank)
 
+    def parts(self, rank: int) -> tuple[tuple[Stored, ...], ...]:
+        """``stored(rank)`` as the cached tuples it is made of, each shared by many ranks.
+
+        Dense params depend on (pp, tp) only and expert params on (pp, ep, etp) only, each
+        DistributedOptimizer buffer's shard on its own few coordinates: consumers that work
+        once per distinct part (keyed by identity: the view keeps every part alive) do the
+        work per distinct piece of state rather than per rank.
+        """
+        c = self.layout.coords(rank)
+        own = (self._dense_stored(c.pp, c.tp), self._expert_stored(c.pp, c.ep, c.etp))
+        return own + self._shard_parts((c.pp, c.tp, c.ep, c.etp), *self._opt_ranks(rank))
+
     def param_part(self, rank: int) -> tuple[Stored, ...]:
         """What ``rank`` holds in module parameters and buffers (shared by its DP replicas)."""
         c = self.layout.coords(rank)
@@ -211,44 +278,69 @@ class StateView:
 
     def shard_part(self, rank: int) -> tuple[Stored, ...]:
         """What ``rank``'s DistributedOptimizer holds (empty without one)."""
-        L, c = self.layout, self.layout.coords(rank)
+        c = self.layout.coords(rank)
+        return self._shard_stored((c.pp, c.tp, c.ep, c.etp), *self._opt_ranks(rank))
+
+    def _opt_ranks(self, rank: int) -> tuple[int, int]:
+        L = self.layout
         if not (L.parallel.use_distributed_optimizer and len(self.kinds) > 1):
-            return ()
-        return self._shard_stored((c.pp, c.tp, c.ep, c.etp), L.optimizer_rank(rank, False),
-                                  L.optimizer_rank(rank, True))
+            return -1, -1  # no DistributedOptimizer shards
+        return L.optimizer_rank(rank, False), L.optimizer_rank(rank, True)
 
     @lru_cache(maxsize=4096)
     def _param_stored(self, model: tuple[int, int, int, int]) -> tuple[Stored, ...]:
+        pp, tp, ep, etp = model
+        return self._dense_stored(pp, tp) + self._expert_stored(pp, ep, etp)
+
+    @lru_cache(maxsize=4096)
+    def _dense_stored(self, pp: int, tp: int) -> tuple[Stored, ...]:
+        """Non-expert params and buffers of stage ``pp`` on TP rank ``tp`` (and the step)."""
+        out = self._module_stored((pp, tp, 0, 0), expert=False)
+        if len(self.kinds) > 1:
+            out.append(Stored("optimizer.step", ("step",), Box((), ()), BufferSlot(-1, "step")))
+        return tuple(out)
+
+    @lru_cache(maxsize=4096)
+    def _expert_stored(self, pp: int, ep: int, etp: int) -> tuple[Stored, ...]:
+        """Expert params of stage ``pp`` on expert rank ``ep``, expert-TP rank ``etp``."""
+        return tuple(self._module_stored((pp, 0, ep, etp), expert=True))
+
+    def _module_stored(self, model: tuple[int, int, int, int], expert: bool) -> list[Stored]:
         L = self.layout
         V = L.model.vocab_size
-        out: list[Stored] = []
         opt_kinds = tuple(k for k in self.kinds if k != "param")
         kinds = ("param",) if L.parallel.use_distributed_optimizer else ("param", *opt_kinds)
+        out: list[Stored] = []
         for cs in L._shards(*model):
             vp = cs.chunk.vp
             for sh in cs.shards:
+                if sh.param.expert != expert:
+                    continue
                 primary = not sh.param.tied_copy
-                for lo, box in local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, V):
+                parts = local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, V)
+                for lo, box in merge_adjacent(parts, len(sh.param.prepend)):
                     out.append(Stored(sh.param.key, kinds, box, ParamSlot(vp, sh.param.name, lo),
                                       primary))
-            for b in cs.buffers:
-                pre = tuple(i for i, _ in b.prepend)
-                box = Box.of(pre + (0,) * len(b.shape), (1,) * len(pre) + b.shape)
-                out.append(Stored(b.key, ("buffer",), box, BufferSlot(vp, b.name)))
-        if opt_kinds:
-            out.append(Stored("optimizer.step", ("step",), Box((), ()), BufferSlot(-1, "step")))
-        return tuple(out)
+            if not expert:
+                for b in cs.buffers:
+                    pre = tuple(i for i, _ in b.prepend)
+                    box = Box.of(pre + (0,) * len(b.shape), (1,) * len(pre) + b.shape)
+                    out.append(Stored(b.key, ("buffer",), box, BufferSlot(vp, b.name)))
+        return out
 
     @lru_cache(maxsize=1 << 14)
     def _shard_stored(self, model: tuple[int, int, int, int], dense_rank: int,
                       expert_rank: int) -> tuple[Stored, ...]:
         """The DistributedOptimizer's shards of one rank, buffer by buffer (each cached)."""
-        L = self.layout
-        out: tuple[Stored, ...] = ()
-        for bi, buf in enumerate(L._buffers(*model)):
-            out += self._buffer_stored(model, bi, buf, expert_rank if buf.is_expert
-                                       else dense_rank)
-        return out
+        return sum(self._shard_parts(model, dense_rank, expert_rank), ())
+
+    def _shard_parts(self, model: tuple[int, int, int, int], dense_rank: int,
+                     expert_rank: int) -> tuple[tuple[Stored, ...], ...]:
+        if dense_rank < 0:
+            return ()
+        return tuple(self._buffer_stored(model, bi, buf, expert_rank if buf.is_expert
+                                         else dense_rank)
+                     for bi, buf in enumerate(self.layout._buffers(*model)))
 
     def _buffer_stored(self, model: tuple[int, int, int, int], bi: int, buf: BufferLayout,
                        opt_rank: int) -> tuple[Stored, ...]:
@@ -278,7 +370,8 @@ class StateView:
             sh = by_name[o.name]
             for lo, size in flat_boxes(sh.local_shape, *o.param):
                 start = _flat_index(sh.local_shape, lo) - o.param[0]
-                for plo, box in local_to_global(sh, lo, size, V):
+                parts = local_to_global(sh, lo, size, V)
+                for plo, box in merge_adjacent(parts, len(sh.param.prepend), sh.local_shape):
                     off = start + _flat_index(sh.local_shape, plo) - _flat_index(sh.local_shape, lo)
                     out.append(Stored(sh.param.key, opt_kinds, box,
                                       FlatSlot(buf.chunk, bi, o.name, off), not sh.param.tied_copy))

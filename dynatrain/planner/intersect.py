@@ -4,8 +4,8 @@ Source boxes are indexed per (tensor key, kinds held together); identical boxes 
 ranks (DP replicas, TP-replicated norms) collapse into one entry listing every holder. A
 destination box is then cut into parts, each inside exactly one source box.
 
-Ranks of the same class hold the same things (``StateView.param_part``/``shard_part`` return the
-same cached tuple), so the work is done once per distinct part, not once per rank: the result
+Ranks of the same class hold the same things (``StateView.parts`` returns the same cached
+tuples), so the work is done once per distinct part, not once per rank: the result
 maps each destination rank to the answers of its parts, shared between ranks.
 """
 
@@ -121,7 +121,7 @@ def _parts_by_rank(view: StateView) -> dict[int, tuple[tuple[Stored, ...], list[
     """Distinct cached parts of a view (by identity) and the ranks that hold each."""
     parts: dict[int, tuple[tuple[Stored, ...], list[int]]] = {}
     for rank in range(view.layout.world):
-        for part in (view.param_part(rank), view.shard_part(rank)):
+        for part in view.parts(rank):
             if part:
                 parts.setdefault(id(part), (part, []))[1].append(rank)
     return parts
@@ -154,7 +154,7 @@ def intersect(src: StateView, dst: StateView, derived: tuple[str, ...] = ()) -> 
     per_rank = []
     for rank in range(dst.layout.world):
         groups = []
-        for part in (dst.param_part(rank), dst.shard_part(rank)):
+        for part in dst.parts(rank):
             got = answered.get(id(part))
             if got is None:
                 got = answered[id(part)] = (part, _answer(part, index, group_of, rank,

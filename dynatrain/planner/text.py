@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..ir.box import Box
 from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot
 from .plan import Plan
 
@@ -14,12 +15,27 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def slot_text(slot: Slot) -> str:
-    """Where a region sits in a rank's local storage, e.g. ``c0:decoder...weight@[0,16]``."""
+def slot_text(slot: Slot, anchor: Box | None = None, box: Box | None = None) -> str:
+    """Where a region sits in a rank's local storage, e.g. ``c0:decoder...weight@[0,16]``.
+
+    With ``anchor`` (the box stored in the slot) and ``box`` inside it, the position is the
+    box's own: its local offset, or its start in the flat optimizer shard.
+    """
+    rel = (tuple(b - a for a, b in zip(anchor.lo, box.lo))
+           if anchor is not None and box is not None else None)
     if isinstance(slot, ParamSlot):
-        return f"c{slot.chunk}:{slot.name}@{list(slot.local_offset)}"
+        at = list(slot.local_offset)
+        if rel:
+            at = [o + r for o, r in zip(at, rel[len(rel) - len(at):])]
+        return f"c{slot.chunk}:{slot.name}@{at}"
     if isinstance(slot, FlatSlot):
-        return f"c{slot.chunk}:optim[{slot.buffer}]:{slot.name}+{slot.offset}"
+        at = slot.offset
+        if rel and anchor is not None:
+            flat = 0
+            for size, r in zip(anchor.shape, rel):
+                flat = flat * size + r
+            at += flat
+        return f"c{slot.chunk}:optim[{slot.buffer}]:{slot.name}+{at}"
     assert isinstance(slot, BufferSlot)
     return f"c{slot.chunk}:{slot.name}"
 
@@ -39,6 +55,6 @@ def plan_to_text(plan: Plan, transfers: bool = True) -> str:
             if transfers:
                 for t in m.transfers:
                     lines.append(f"    {t.key}{t.box} [{','.join(t.kinds)}] "
-                                 f"r{t.src_rank} {slot_text(t.src_slot)} -> "
-                                 f"r{t.dst_rank} {slot_text(t.dst_slot)}  {_size(t.nbytes)}")
+                                 f"r{t.src_rank} {slot_text(t.src_slot, t.src_anchor, t.box)} -> "
+                                 f"r{t.dst_rank} {slot_text(t.dst_slot, t.dst_anchor, t.box)}  {_size(t.nbytes)}")
     return "\n".join(lines) + "\n"

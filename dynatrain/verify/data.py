@@ -38,7 +38,7 @@ class Holdings:
 
     def _build(self, rank: int) -> tuple[dict[Target, Stored], ...]:
         out = []
-        for part in (self.view.param_part(rank), self.view.shard_part(rank)):
+        for part in self.view.parts(rank):
             hit = self._tables.get(id(part))
             if hit is None:  # the value keeps ``part`` alive, so its id stays unique
                 hit = self._tables[id(part)] = (part, {(s.key, s.slot, s.box): s for s in part})

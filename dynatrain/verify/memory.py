@@ -23,7 +23,7 @@ def held_bytes(view: StateView, devices: tuple[str, ...]) -> dict[str, int]:
     sizes: dict[int, tuple[tuple, int]] = {}
     out: dict[str, int] = defaultdict(int)
     for rank, dev in enumerate(devices):
-        for part in (view.param_part(rank), view.shard_part(rank)):
+        for part in view.parts(rank):
             hit = sizes.get(id(part))
             if hit is None:
                 n = sum(s.box.numel * ITEMSIZE.get(tensors[(s.key, k)].dtype, 8)

@@ -32,8 +32,6 @@ from dynatrain.runtime.storage import fill_from_global, region
 from matrix import MOE, case, to_harness_cfg, to_spec
 from megatron_support import live
 
-EXPERT_BIAS = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
-
 # vocab 256 splits without padding at tp <= 2 (multiple of 16 * tp); the MoE case keeps the
 # matrix's vocab 200 (padded to 208) so vocab padding rows are exercised too.
 CASES = {
@@ -42,7 +40,7 @@ CASES = {
     "pp2-vpp2-dp2-tied": case("pp2-vpp2-dp2", 4, pp=2, vpp=2, num_layers=4, vocab_size=256),
     # megatron refuses to train MoE with TP > 1 without sequence parallelism (CUDA-only here).
     "moe-ep2-edp2-expert-bias": case("moe", 4, ep=2, swiglu=True,
-                                     moe_shared_expert_intermediate_size=48, **EXPERT_BIAS,
+                                     moe_shared_expert_intermediate_size=48, **live.EXPERT_BIAS,
                                      **MOE),
     "tp2-dp2-no-distopt-untied": case("no-distopt", 4, tp=2, use_distributed_optimizer=False,
                                       untie_embeddings_and_output_weights=True, vocab_size=256),
@@ -51,19 +49,6 @@ CASES = {
 
 def _clone(store: dict) -> dict:
     return {k: v.detach().clone() for k, v in store.items()}
-
-
-def _native_diffs(a: dict, b: dict) -> list[str]:
-    if set(a) != set(b):
-        return [f"keys differ: {sorted(set(a) ^ set(b))[:4]}"]
-    out = []
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            if not live.bits_equal(a[k], b[k]):
-                out.append(k)
-        elif a[k] != b[k]:
-            out.append(k)
-    return out
 
 
 def _aliases(store: dict, job: live.Job) -> tuple[int, int]:
@@ -101,11 +86,11 @@ def _run_case(cfg: dict, view: StateView, wrong: StateView | None) -> list[dict]
                 out["wrong"] = str(e)
         before = live.native_state(job)
         fresh = live.build(c, seed=c["seed"] + 17)
-        out["fresh_differs"] = len(_native_diffs(before, live.native_state(fresh)))
+        out["fresh_differs"] = len(live.native_diffs(before, live.native_state(fresh)))
         install_state(view, rank, fresh.ddps, fresh.optimizer, store)
-        out["installed_diffs"] = _native_diffs(before, live.native_state(fresh))
+        out["installed_diffs"] = live.native_diffs(before, live.native_state(fresh))
         out["next_losses"] = (live.train_step(job, 2), live.train_step(fresh, 2))
-        out["after_diffs"] = _native_diffs(live.native_state(job), live.native_state(fresh))
+        out["after_diffs"] = live.native_diffs(live.native_state(job), live.native_state(fresh))
         return out
 
     return live.run_workers(work, cfg["world"])

@@ -71,11 +71,14 @@ if not hasattr(_moe_utils, "te_general_gemm"):
 
 __all__ = ["Job", "run_workers", "resolve", "init_parallel", "build", "train_step",
            "sharded_leaves", "assemble", "native_state", "save_dist_checkpoint",
-           "load_dist_checkpoint", "bits_equal", "MICROBATCHES", "SEQ", "LR"]
+           "load_dist_checkpoint", "bits_equal", "native_diffs", "EXPERT_BIAS", "MICROBATCHES",
+           "SEQ", "LR"]
 
 MICROBATCHES = 2
 SEQ = 8
 LR = 1e-2  # large enough that two steps move every tensor visibly
+# Router expert bias as megatron requires it (sigmoid scores).
+EXPERT_BIAS = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
 
 
 @dataclass
@@ -385,6 +388,14 @@ def native_state(job: Job) -> dict[str, Any]:
                 for pi, t in enumerate(group):
                     out[f"opt{j}.fp32_from_fp16.{gi}.{pi}"] = t.detach().clone()
     return out
+
+
+def native_diffs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Names of the entries of two ``native_state`` dicts that differ (in bits, for tensors)."""
+    if set(a) != set(b):
+        return [f"keys differ: {sorted(set(a) ^ set(b))[:4]}"]
+    return [k for k in a if not (bits_equal(a[k], b[k]) if isinstance(a[k], torch.Tensor)
+                                 else a[k] == b[k])]
 
 
 # ---- megatron's dist-checkpoint (the reference for a layout switch) ---------------------------

@@ -38,7 +38,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_plan_text_matches_golden(name: str) -> None:
     src, dst = CASES[name]
-    text = plan_to_text(plan_transition(Layout(src), Layout(dst), 1 << 12))
+    text = plan_to_text(plan_transition(Layout(src), Layout(dst), 1 << 14))
     path = GOLDEN / f"{name}.txt"
     if os.environ.get("DYNATRAIN_UPDATE_GOLDEN"):
         path.write_text(text)

@@ -207,7 +207,8 @@ def build(c: dict, seed: int | None = None) -> Job:
     ddps = [DistributedDataParallel(config=config, ddp_config=ddp_config,
                                     module=Float16Module(config, g), disable_bucketing=(i > 0))
             for i, g in enumerate(gpts)]
-    opt_config = OptimizerConfig(optimizer="adam", lr=LR, bf16=True, params_dtype=torch.bfloat16,
+    opt_config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR / 10, bf16=True,
+                                 params_dtype=torch.bfloat16,
                                  use_distributed_optimizer=bool(c["use_distributed_optimizer"]))
     optimizer = get_megatron_optimizer(opt_config, ddps, use_gloo_process_groups=False)
     config.finalize_model_grads_func = finalize_model_grads

@@ -44,6 +44,9 @@ CASES = {
                                      **MOE),
     "tp2-dp2-no-distopt-untied": case("no-distopt", 4, tp=2, use_distributed_optimizer=False,
                                       untie_embeddings_and_output_weights=True, vocab_size=256),
+    # Two DistributedOptimizer instances over dp4: each shards over its half of the DP group.
+    "dp4-distopt-instances2": case("instances2", 4, num_distributed_optimizer_instances=2,
+                                   vocab_size=256),
 }
 
 
@@ -155,3 +158,40 @@ def test_extract_matches_megatron_and_install_round_trips(name: str) -> None:
     assert losses, "no rank saw a loss"
     if wrong is not None:
         assert all("local shape" in r["wrong"] for r in results), [r["wrong"] for r in results]
+
+
+def test_before_the_first_step_adam_starts_from_zero() -> None:
+    """A job that has not stepped yet has no Adam state: extract gives zero moments and step 0,
+    and a fresh job installed from it trains its first step exactly like the original."""
+    cfg = CASES["tp2-dp2-gqa-swiglu"]
+    view = view_of(Layout(to_spec(cfg)))
+    c = live.resolve(to_harness_cfg(cfg))
+
+    def work(rank: int) -> dict:
+        live.init_parallel(c)
+        job = live.build(c)
+        store = extract_state(view, rank, job.ddps, job.optimizer)
+        zero = all(not store[k].any() for k in store if k[0] in ("exp_avg", "exp_avg_sq"))
+        fresh = live.build(c, seed=c["seed"] + 17)
+        install_state(view, rank, fresh.ddps, fresh.optimizer, store)
+        losses = (live.train_step(job, 0), live.train_step(fresh, 0))
+        return {"zero": zero, "step": int(store[STEP_KEY]), "losses": losses,
+                "diffs": live.native_diffs(live.native_state(job), live.native_state(fresh))}
+
+    for res in live.run_workers(work, cfg["world"]):
+        assert res["zero"] and res["step"] == 0
+        assert res["losses"][0] == res["losses"][1] and res["losses"][0]
+        assert res["diffs"] == [], res["diffs"][:5]
+
+
+def test_install_refuses_a_storage_of_another_layout_before_touching_the_job() -> None:
+    """The storage is checked against the layout before the job is even looked at."""
+    view = view_of(Layout(to_spec(CASES["tp2-dp2-gqa-swiglu"])))
+    other = view_of(Layout(to_spec(dict(CASES["tp2-dp2-gqa-swiglu"], tp=1))))
+    store = {k: torch.zeros(s.shape, dtype=s.dtype) for k, s in storage_spec(other, 0).items()}
+    with pytest.raises(LayoutError, match="storage"):
+        install_state(view, 0, [], None, store)
+    store = {k: torch.zeros(s.shape, dtype=s.dtype) for k, s in storage_spec(view, 0).items()}
+    store[STEP_KEY] = torch.zeros((), dtype=torch.float32)
+    with pytest.raises(LayoutError, match="optimizer.step|step"):
+        install_state(view, 0, [], None, store)

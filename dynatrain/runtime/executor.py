@@ -7,20 +7,20 @@ rank its device runs in the plan's source layout (if any) and builds the destina
 device runs in the destination layout (if any); ``Transfer.src_rank``/``dst_rank`` are those
 layout ranks and ``plan.src_devices``/``plan.dst_devices`` map them to devices.
 
-Rounds run in order. In a round a device copies its local messages slot to slot (no staging),
-packs every remote message it sends into one contiguous uint8 buffer (all transfers, all kinds,
-in plan order), receives every remote message into one uint8 buffer, exchanges them all at once
-with ``batch_isend_irecv`` (tag = the message's index in the round, so matching does not depend
-on posting order) and unpacks. The staging bytes are measured from those buffers. With
-``plan.derived == ("param",)`` each destination rank then rebuilds its params from the main
-params: a local cast without the distributed optimizer, otherwise Megatron's param all-gather
-(each optimizer rank casts its main-param shard and sends it to the ranks of its
-DistributedOptimizer group, point to point).
+Rounds run in order (``exchange.py``): in a round a device posts its receives, packs and posts
+its sends piece by piece (a large contiguous segment goes on the wire straight from or into
+storage; the rest is packed into one staging arena kept for the whole switch), copies its local
+messages slot to slot, prepares the next round while the transfers run, and unpacks each
+received piece as it lands. The staging bytes are measured from the arena: never more than the
+plan budgets, usually much less. With ``plan.derived == ("param",)`` each destination rank then
+rebuilds its params from the main params (``derive.py``: a local cast without the distributed
+optimizer, otherwise Megatron's param all-gather, point to point).
 
-The destination storage is freshly allocated and the source storage is only ever read. After
-the last round every process votes (an all-gather of one flag; success is its MIN): only a
-unanimous vote returns the destination storage. Anything else raises ``SwitchAborted`` on
-every process that is still alive, within about ``timeout`` seconds per pending operation:
+The destination storage is freshly allocated (or given as ``dst_store``, zero-filled) and the
+source storage is only ever read. After the last round every process votes (an all-gather of
+one flag; success is its MIN): only a unanimous vote returns the destination storage. Anything
+else raises ``SwitchAborted`` on every process that is still alive, within about ``timeout``
+seconds per pending operation:
 
 - a failure or timeout while messages may be in flight destroys ``group`` (when
   ``destroy_group_on_abort``, the default): pending operations cannot be cancelled and stale
@@ -34,11 +34,15 @@ every process that is still alive, within about ``timeout`` seconds per pending 
 In both cases the source storage is untouched and a retry of the same ``switch`` may succeed.
 The vote has the limit of any commit protocol: a process that dies inside the vote itself may
 leave others committed; their sources are still intact, so the caller can roll back.
+
+Process 0 logs one line per round to the ``dynatrain.runtime`` logger at INFO (silent unless
+the application configures logging), so a long switch shows its progress.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -46,15 +50,14 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..ir.buffers import owned_ranges
 from ..ir.errors import DynatrainError
-from ..ir.layout import Layout
 from ..ir.state import StateView
-from ..planner.plan import Message, Plan, Round
-from .storage import Storage, allocate, byte_view, checksums, region, torch_dtype, within
+from ..planner.plan import Plan
+from .derive import derive_params
+from .exchange import Arena, RoundWork, prepare_round, run_round
+from .storage import ByteViews, Storage, allocate, checksums, storage_layout
 
-# Tags of the param all-gather after the rounds: above any message index of a round.
-_DERIVE_TAG = 1 << 24
+log = logging.getLogger("dynatrain.runtime")
 
 
 class SwitchAborted(DynatrainError):
@@ -83,7 +86,7 @@ class RoundReport:
     bytes_sent: int
     bytes_received: int
     bytes_local: int
-    staging_bytes: int  # bytes of the staging buffers this device allocated in the round
+    staging_bytes: int  # bytes this device staged in the round (measured from the arena)
     planned_staging_bytes: int  # what the plan says this device stages in the round
 
 
@@ -97,6 +100,7 @@ class SwitchReport:
     dst_rank: int | None
     rounds: tuple[RoundReport, ...]
     budget_bytes: int
+    arena_bytes: int  # the staging arena's size at the end: the staging memory really held
     derive_bytes_sent: int
     derive_bytes_received: int
     derive_staging_bytes: int
@@ -125,6 +129,7 @@ class SwitchReport:
             "planned_peak_staging_bytes": max((r.planned_staging_bytes for r in self.rounds),
                                               default=0),
             "budget_bytes": self.budget_bytes,
+            "arena_bytes": self.arena_bytes,
             "derive_bytes_sent": self.derive_bytes_sent,
             "derive_bytes_received": self.derive_bytes_received,
             "derive_staging_bytes": self.derive_staging_bytes,
@@ -153,7 +158,8 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
            src_store: Mapping[tuple, torch.Tensor] | None,
            group: dist.ProcessGroup | None = None, *, timeout: float = 60.0,
            destroy_group_on_abort: bool = True, verify_source: bool = False,
-           on_round: Callable[[int], None] | None = None) -> tuple[Storage | None, dict]:
+           on_round: Callable[[int], None] | None = None,
+           dst_store: Storage | None = None) -> tuple[Storage | None, dict]:
     """Run ``plan`` on this process; every process of the switch calls it.
 
     Args:
@@ -169,8 +175,11 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         destroy_group_on_abort: destroy ``group`` when aborting with messages possibly in
             flight (see the module docstring); False leaves that to the caller.
         verify_source: hash the source storage before and after and vote failure if it changed.
-        on_round: test hook, called with the round index after this device packed the round's
-            sends and before it exchanges them (inject faults with it).
+        on_round: test hook, called with the round index at the start of the round's
+            exchange, before any of its messages is posted (inject faults with it).
+        dst_store: destination storage to write into instead of allocating it: zero-filled,
+            with ``allocate(dst_view, rank)``'s keys, shapes and dtypes (e.g. allocated ahead
+            of time). Returned on commit; on abort its contents are undefined.
 
     Returns:
         (destination storage, or None if the device is not a destination device; the report
@@ -187,25 +196,27 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     where = _Where()
     devices = process_devices(plan)
     pg = group if group is not None else dist.group.WORLD
+    arena = Arena()
     try:
         me = _bind(plan, src_view, dst_view, device, src_store, pg, devices)
         pg.set_timeout(td)  # gloo collectives block their worker thread up to this long
         before = checksums(src_store) if verify_source and src_store is not None else None
-        dst = allocate(dst_view, me.dst_rank) if me.dst_rank is not None else None
-        reports = []
-        for i, rnd in enumerate(plan.rounds):
-            where.round, where.peer = i, None
-            reports.append(_run_round(i, rnd, me, src_store, dst, pg, devices, timeout, where,
-                                      on_round))
+        dst = _destination(dst_view, me, dst_store)
+        reports = _run_rounds(plan, me, src_store, dst, pg, devices, timeout, where, on_round,
+                              arena)
         where.round = None
         t = time.perf_counter()
         derive = (0, 0, 0)
         if plan.derived:
             where.phase = "derive params"
-            derive = _derive_params(plan, dst_view, me, dst, pg, devices, timeout, where)
+            derive = derive_params(plan, dst_view, me.dst_rank, dst, pg, devices, timeout,
+                                   where, _wait)
         derive_seconds = time.perf_counter() - t
     except Exception as err:  # noqa: BLE001 — every failure becomes one SwitchAborted
         raise _abort(err, device, where, pg, destroy_group_on_abort) from err
+    finally:
+        arena_bytes = arena.peak
+        arena.buf = torch.empty(0, dtype=torch.uint8)  # staging is freed before the vote
 
     # All messages of this process completed: a problem found now is voted, not shouted.
     problem = ""
@@ -230,9 +241,75 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
                             f"failure{why}; this is {device}; group still usable",
                             device=device, peer=failed[0])
     report = SwitchReport(device, me.index, me.src_rank, me.dst_rank, tuple(reports),
-                          plan.budget_bytes, derive[0], derive[1], derive[2], derive_seconds,
-                          time.perf_counter() - t, time.perf_counter() - t_start)
+                          plan.budget_bytes, arena_bytes, derive[0], derive[1], derive[2],
+                          derive_seconds, time.perf_counter() - t,
+                          time.perf_counter() - t_start)
+    if me.index == 0:
+        log.info("switch committed: %d rounds in %.3f s (%s)", len(reports),
+                 report.total_seconds, plan.dst_name)
     return dst, report.as_dict()
+
+
+def _destination(view: StateView, me: "_Me", given: Storage | None) -> Storage | None:
+    """The storage the destination rank is built in: ``given`` (checked) or fresh zeros."""
+    if me.dst_rank is None:
+        if given is not None:
+            raise ValueError(f"{me.device} runs no destination rank, so dst_store must not be "
+                             "given")
+        return None
+    if given is None:
+        return allocate(view, me.dst_rank)
+    want = storage_layout(view, me.dst_rank)
+    have = {k: (tuple(t.shape), t.dtype) for k, t in given.items()}
+    if have != want:
+        bad = sorted(set(want.items()) ^ set(have.items()), key=repr)[0]
+        raise ValueError(f"dst_store does not match destination rank {me.dst_rank}'s storage "
+                         f"(first difference: {bad[0]} {bad[1][1]} {list(bad[1][0])})")
+    return given
+
+
+def _run_rounds(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
+                pg: dist.ProcessGroup, devices: tuple[str, ...], timeout: float,
+                where: "_Where", on_round: Callable[[int], None] | None,
+                arena: Arena) -> list[RoundReport]:
+    """Every round in order; round ``i + 1`` is prepared while round ``i``'s transfers run."""
+    src_views = ByteViews(src) if src is not None else None
+    dst_views = ByteViews(dst) if dst is not None else None
+
+    def prepare(i: int) -> RoundWork:
+        return prepare_round(i, plan.rounds[i], me.device, me.src_rank, me.dst_rank, src_views,
+                             dst_views, devices)
+
+    n = len(plan.rounds)
+    reports: list[RoundReport] = []
+    where.round, where.phase = (0, "prepare") if n else (None, "setup")
+    nxt = prepare(0) if n else None
+    progress = me.index == 0 and log.isEnabledFor(logging.INFO)
+    moved = sum(m.nbytes for m in plan.messages() if not m.local) if progress else 0
+    done = 0
+    t0 = time.perf_counter()
+    for i in range(n):
+        work, nxt = nxt, None
+        where.round, where.peer, where.phase = i, None, "exchange"
+        if on_round is not None:
+            on_round(i)
+        ahead: list[RoundWork] = []
+        seconds = run_round(work, arena, pg, devices, timeout, where, _wait,
+                            (lambda: ahead.append(prepare(i + 1))) if i + 1 < n else None)
+        nxt = ahead[0] if ahead else None
+        reports.append(RoundReport(i, seconds, work.bytes_sent, work.bytes_received,
+                                   work.bytes_local, work.staging, work.planned_staging))
+        if progress:
+            done += sum(m.nbytes for m in plan.rounds[i].messages if not m.local)
+            elapsed = time.perf_counter() - t0
+            log.info("round %d/%d: %s of %s moved (all devices), %.3f s, %.2f GB/s so far; "
+                     "process 0 staged %s", i + 1, n, _mib(done), _mib(moved), seconds,
+                     done / elapsed / 1e9 if elapsed > 0 else 0.0, _mib(work.staging))
+    return reports
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,237 +371,3 @@ def _abort(err: Exception, device: str, where: _Where, pg: dist.ProcessGroup,
                          f"{type(err).__name__}: {first}; source untouched, {then}",
                          device=device, round_index=where.round, peer=where.peer,
                          group_destroyed=destroyed)
-
-
-def _views(store: Mapping[tuple, torch.Tensor], t, side: str):
-    """Per kind of ``t``, the view of its box in the source or destination slot."""
-    slot, anchor = (t.src_slot, t.src_anchor) if side == "src" else (t.dst_slot, t.dst_anchor)
-    sl = within(t.box, anchor)
-    return [region(store, kind, slot, anchor)[sl] for kind in t.kinds]
-
-
-def _pack(m: Message, src: Mapping[tuple, torch.Tensor], src_rank: int) -> torch.Tensor:
-    buf = torch.empty(m.nbytes, dtype=torch.uint8)
-    off = 0
-    for t in m.transfers:
-        if t.src_rank != src_rank:
-            raise ValueError(f"transfer {t} is sent by {m.src_device}, which runs source "
-                             f"rank {src_rank}")
-        for v in _views(src, t, "src"):
-            b = byte_view(v)
-            n = b.numel()
-            if off + n > m.nbytes:
-                raise ValueError(f"message {m.src_device}->{m.dst_device} holds more than its "
-                                 f"{m.nbytes} bytes (plan and dtypes disagree)")
-            buf[off:off + n].view(b.shape).copy_(b)
-            off += n
-    if off != m.nbytes:
-        raise ValueError(f"message {m.src_device}->{m.dst_device} packs {off} bytes, the plan "
-                         f"says {m.nbytes}")
-    return buf
-
-
-def _unpack(m: Message, buf: torch.Tensor, dst: Storage, dst_rank: int) -> None:
-    off = 0
-    for t in m.transfers:
-        if t.dst_rank != dst_rank:
-            raise ValueError(f"transfer {t} is received by {m.dst_device}, which runs "
-                             f"destination rank {dst_rank}")
-        for v in _views(dst, t, "dst"):
-            b = byte_view(v)
-            n = b.numel()
-            b.copy_(buf[off:off + n].view(b.shape))
-            off += n
-    if off != buf.numel():
-        raise ValueError(f"message {m.src_device}->{m.dst_device} unpacks {off} of "
-                         f"{buf.numel()} bytes")
-
-
-def _run_round(i: int, rnd: Round, me: _Me, src: Mapping | None, dst: Storage | None,
-               pg: dist.ProcessGroup, devices: tuple[str, ...], timeout: float, where: _Where,
-               on_round: Callable[[int], None] | None) -> RoundReport:
-    t0 = time.perf_counter()
-    where.phase = "pack"
-    local: list[Message] = []
-    ops, peers, recvs, bufs = [], [], [], []
-    sent = received = planned = 0
-    for mi in rnd.device_order().get(me.device, ()):
-        m = rnd.messages[mi]
-        if m.local:
-            local.append(m)
-        elif m.src_device == me.device:
-            assert src is not None and me.src_rank is not None
-            buf = _pack(m, src, me.src_rank)
-            ops.append(dist.P2POp(dist.isend, buf, group=pg, tag=mi,
-                                  group_peer=devices.index(m.dst_device)))
-            peers.append(m.dst_device)
-            bufs.append(buf)
-            sent += m.nbytes
-            planned += m.nbytes
-        elif m.dst_device == me.device:
-            buf = torch.empty(m.nbytes, dtype=torch.uint8)
-            ops.append(dist.P2POp(dist.irecv, buf, group=pg, tag=mi,
-                                  group_peer=devices.index(m.src_device)))
-            peers.append(m.src_device)
-            recvs.append((m, buf))
-            bufs.append(buf)
-            received += m.nbytes
-            planned += m.nbytes
-        else:
-            raise ValueError(f"round {i} orders message {mi} ({m.src_device}->{m.dst_device}) "
-                             f"on {me.device}, which is neither end")
-    staging = sum(b.untyped_storage().nbytes() for b in bufs)
-    if on_round is not None:
-        on_round(i)
-    where.phase = "exchange"
-    works = dist.batch_isend_irecv(ops) if ops else []
-    # Local copies overlap the exchange: they touch neither staging buffers nor the network.
-    where.phase = "local copy"
-    n_local = 0
-    for m in local:
-        assert src is not None and dst is not None
-        for t in m.transfers:
-            if t.src_rank != me.src_rank or t.dst_rank != me.dst_rank:
-                raise ValueError(f"local transfer {t} does not stay on {me.device}")
-            for s, d in zip(_views(src, t, "src"), _views(dst, t, "dst")):
-                d.copy_(s)
-        n_local += m.nbytes
-    where.phase = "exchange"
-    deadline = time.monotonic() + timeout
-    attributed = len(works) == len(ops)  # one work per op: a timeout can name its peer
-    for k, w in enumerate(works):
-        where.peer = peers[k] if attributed else None
-        _wait(w, timeout, deadline)
-    where.phase, where.peer = "unpack", None
-    for m, buf in recvs:
-        assert dst is not None and me.dst_rank is not None
-        _unpack(m, buf, dst, me.dst_rank)
-    return RoundReport(i, time.perf_counter() - t0, sent, received, n_local, staging, planned)
-
-
-# ---- derived params ------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class _Need:
-    """Destination rank ``receiver`` needs ``[lo, hi)`` of param ``name``'s flat local view,
-    which optimizer rank ``provider`` holds as its whole main-param shard of that param."""
-
-    receiver: int
-    provider: int
-    chunk: int
-    name: str
-    lo: int
-    hi: int
-
-
-def _needs(L: Layout, rank: int) -> tuple[_Need, ...]:
-    """Megatron's param all-gather for ``rank``: per buffer, every optimizer rank's ranges,
-    from the member of ``rank``'s (intra-instance) DistributedOptimizer group that owns them."""
-    out = []
-    for bi, buf in enumerate(L.rank_buffers(rank)):
-        members = L.mesh.groups(rank)["edp" if buf.is_expert else "dp_cp"]
-        D = buf.dp_size
-        pos = members.index(rank)
-        base = pos // D * D  # optimizer instances are consecutive blocks of D members
-        mine = {sh.param.name: sh for cs in L.rank_shards(rank) if cs.chunk.vp == buf.chunk
-                for sh in cs.shards}
-        for k in range(D):
-            q = members[base + k]
-            if L.optimizer_rank(q, buf.is_expert) != k or L.rank_buffers(q)[bi] != buf:
-                raise ValueError(f"derive params: rank {q} is not optimizer rank {k} of rank "
-                                 f"{rank}'s buffer {bi} (layout groups disagree)")
-            theirs = {sh.param.name: sh for cs in L.rank_shards(q) if cs.chunk.vp == buf.chunk
-                      for sh in cs.shards}
-            for o in owned_ranges(buf, k):
-                if theirs[o.name] != mine[o.name]:
-                    raise ValueError(f"derive params: ranks {rank} and {q} hold different "
-                                     f"shards of {o.name} in one optimizer group")
-                out.append(_Need(rank, q, buf.chunk, o.name, o.param[0], o.param[1]))
-    return tuple(out)
-
-
-def _derive_params(plan: Plan, view: StateView, me: _Me, dst: Storage | None,
-                   pg: dist.ProcessGroup, devices: tuple[str, ...], timeout: float,
-                   where: _Where) -> tuple[int, int, int]:
-    """Rebuild the params from the main params; returns (bytes sent, received, staged)."""
-    L = view.layout
-    if "main_param" not in view.kinds:
-        raise ValueError("derived params need main params in the destination")
-    pdtype = torch_dtype(view.kinds["param"])
-    if not L.parallel.use_distributed_optimizer:
-        if dst is not None:  # main params sit in the params' own slots: a local cast
-            for k, t in dst.items():
-                if k[0] == "param":
-                    t.copy_(dst[("main_param",) + k[1:]])
-        return 0, 0, 0
-    r = me.dst_rank
-
-    def main_flat(chunk: int, name: str, n: int) -> torch.Tensor:
-        # A shard holding only vocab padding has no storage: its elements are zeros.
-        t = dst.get(("main_param", "FlatSlot", chunk, name)) if dst is not None else None
-        if t is None:
-            return torch.zeros(n, dtype=pdtype)
-        if t.numel() != n:
-            raise ValueError(f"main-param shard of {name} has {t.numel()} elements, the "
-                             f"buffer says {n}")
-        return t.to(pdtype)
-
-    def param_flat(chunk: int, name: str) -> torch.Tensor | None:
-        t = dst.get(("param", "ParamSlot", chunk, name)) if dst is not None else None
-        return None if t is None else t.view(-1)  # fresh zeros(local_shape): contiguous
-
-    ops, bufs, recvs, peers = [], [], [], []
-    sent = received = 0
-    if r is not None:
-        needs = _needs(L, r)
-        incoming: dict[int, list[_Need]] = {}
-        for n in needs:
-            if n.provider == r:
-                p = param_flat(n.chunk, n.name)
-                if p is not None:
-                    p[n.lo:n.hi].copy_(main_flat(n.chunk, n.name, n.hi - n.lo))
-            else:
-                incoming.setdefault(n.provider, []).append(n)
-        # What this rank provides to the other members of its optimizer groups.
-        outgoing: dict[int, list[_Need]] = {}
-        others = sorted({q for bi, buf in enumerate(L.rank_buffers(r))
-                         for q in L.mesh.groups(r)["edp" if buf.is_expert else "dp_cp"]} - {r})
-        for q in others:
-            for n in _needs(L, q):
-                if n.provider == r:
-                    outgoing.setdefault(q, []).append(n)
-        esize = torch.empty((), dtype=pdtype).element_size()
-        for q, ns in sorted(outgoing.items()):
-            buf = torch.cat([main_flat(n.chunk, n.name, n.hi - n.lo) for n in ns]
-                            ).view(torch.uint8) if ns else torch.empty(0, dtype=torch.uint8)
-            peer = plan.dst_devices[q]
-            ops.append(dist.P2POp(dist.isend, buf, group=pg, tag=_DERIVE_TAG,
-                                  group_peer=devices.index(peer)))
-            bufs.append(buf)
-            peers.append(peer)
-            sent += buf.numel()
-        for q, ns in sorted(incoming.items()):
-            buf = torch.empty(sum(n.hi - n.lo for n in ns) * esize, dtype=torch.uint8)
-            peer = plan.dst_devices[q]
-            ops.append(dist.P2POp(dist.irecv, buf, group=pg, tag=_DERIVE_TAG,
-                                  group_peer=devices.index(peer)))
-            bufs.append(buf)
-            peers.append(peer)
-            recvs.append((ns, buf))
-            received += buf.numel()
-    staging = sum(b.untyped_storage().nbytes() for b in bufs)
-    works = dist.batch_isend_irecv(ops) if ops else []
-    deadline = time.monotonic() + timeout
-    for k, w in enumerate(works):
-        where.peer = peers[k] if len(works) == len(ops) else None
-        _wait(w, timeout, deadline)
-    where.peer = None
-    for ns, buf in recvs:
-        vals = buf.view(pdtype)
-        off = 0
-        for n in ns:
-            p = param_flat(n.chunk, n.name)
-            if p is not None:
-                p[n.lo:n.hi].copy_(vals[off:off + n.hi - n.lo])
-            off += n.hi - n.lo
-    return sent, received, staging

@@ -216,7 +216,9 @@ def test_deadlock_and_memory_reports_name_messages_and_rounds() -> None:
     assert over is not None
     text = str(verify(over.plan, s, d))
     r, dev = over.focus[0]
-    assert f"memory: round {r}: {dev} stages" in text and "over the budget of 4096" in text, text
+    # A moved message, or a declared budget below the real peak when no single move overflows.
+    budget = over.plan.budget_bytes
+    assert f"memory: round {r}: {dev} stages" in text and f"over the budget of {budget}" in text, text
 
 
 def test_mutants_are_deterministic_and_leave_the_plan_alone() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import add
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -14,7 +15,7 @@ class Box:
 
     @classmethod
     def of(cls, offset: tuple[int, ...], shape: tuple[int, ...]) -> "Box":
-        return cls(tuple(offset), tuple(o + s for o, s in zip(offset, shape)))
+        return cls(tuple(offset), tuple(map(add, offset, shape)))
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -162,6 +162,8 @@ def merge_adjacent(parts: list[tuple[tuple[int, ...], Box]], npre: int,
     axes). For a flat slot (``flat_shape``: the local tensor's shape) the merged block must
     also be contiguous in row-major order, since the flat shard stores it as one run.
     """
+    if len(parts) < 2:  # nearly every shard: nothing to merge
+        return parts
     out = parts[:1]
     for lo, box in parts[1:]:
         plo, pbox = out[-1]

@@ -139,7 +139,7 @@ def schedule_rounds(messages: list[Message], budget: int, topo: Topology | None 
         placed = _pack([jobs[j] for j in order], n, half, len(devices))
         if placed is not None:
             break
-        n += 1
+        n += max(1, n // 8)  # each failed try costs a full pass: grow in steps
     rounds: list[list[Message]] = [[] for _ in range(n)]
     for j, i in zip(order, placed):
         rounds[i].append(remote[j])
@@ -160,17 +160,22 @@ def _pack(jobs: list[tuple[int, int, int, int, int, float]], n: int, half: int,
     busy = [[0.0] * (4 * ndev) for _ in range(n)]
     longest = [0.0] * n  # each round's busiest link so far
     placed = []
+    rounds = range(n)
     for s, d, size, ko, ki, t in jobs:
-        best, best_score = -1, (0.0, 0.0, 0)
-        for i in range(n):
+        # Score (growth of the round's busiest link, finish time, round) compared inline:
+        # this loop runs messages x rounds times.
+        best, best_grow, best_finish = -1, 0.0, 0.0
+        for i in rounds:
             if out_used[i][s] + size > half or in_used[i][d] + size > half:
                 continue
             b = busy[i]
-            finish = (b[ko] if b[ko] > b[ki] else b[ki]) + t
+            bo, bi = b[ko], b[ki]
+            finish = (bo if bo > bi else bi) + t
             grow = finish - longest[i]
-            score = (grow if grow > 0.0 else 0.0, finish, i)
-            if best < 0 or score < best_score:
-                best, best_score = i, score
+            if grow < 0.0:
+                grow = 0.0
+            if best < 0 or grow < best_grow or (grow == best_grow and finish < best_finish):
+                best, best_grow, best_finish = i, grow, finish
         if best < 0:
             return None
         out_used[best][s] += size
@@ -178,7 +183,8 @@ def _pack(jobs: list[tuple[int, int, int, int, int, float]], n: int, half: int,
         b = busy[best]
         b[ko] += t
         b[ki] += t
-        longest[best] = max(longest[best], b[ko], b[ki])
+        if best_finish > longest[best]:
+            longest[best] = best_finish
         placed.append(best)
     return placed
 

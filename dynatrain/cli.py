@@ -1,4 +1,7 @@
-"""``dynatrain`` command line: inspect layouts, plan switches between them, verify plans.
+"""``dynatrain`` command line: inspect layouts, plan, verify and run switches between them.
+
+``run-plan`` runs a switch on this machine: one CPU process per device, random state, the
+destination checked bit for bit.
 
 Bad input prints one line naming the field and the rule, and exits with status 2.
 """
@@ -260,6 +263,89 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+MAX_LOCAL_PROCESSES = 64  # --processes cannot go above this
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8}
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel says are available (Linux), else None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cmd_run_plan(args: argparse.Namespace) -> int:
+    from .ir.state import StateView
+    from .ir.summary import bytes_by_kind
+    from .planner.pipeline import plan_transition
+
+    if not 1 <= args.processes <= MAX_LOCAL_PROCESSES:
+        raise DynatrainError(f"--processes: must be between 1 and {MAX_LOCAL_PROCESSES} "
+                             f"(got {args.processes})")
+    if args.timeout <= 0:
+        raise DynatrainError(f"--timeout: must be positive seconds (got {args.timeout})")
+    src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
+    devices = sorted(set(src.devices) | set(dst.devices))
+    if len(devices) > args.processes:
+        raise DynatrainError(f"run-plan: the switch spans {len(devices)} devices, too many to "
+                             f"run as local processes (at most {args.processes}, --processes); "
+                             f"try smaller specs, e.g. specs/tiny-gpt/")
+    # Every process draws the whole logical state, then builds its ranks: refuse what will not
+    # fit rather than let the machine swap or kill processes.
+    sv, dv = StateView(src), StateView(dst)
+    logical = sum(t.numel * _DTYPE_BYTES.get(t.dtype, 8) for t in sv.tensors().values())
+    ranks = sum(k.total_bytes for k in bytes_by_kind(src)) + 2 * sum(
+        k.total_bytes for k in bytes_by_kind(dst))
+    need = len(devices) * logical + ranks
+    avail = _available_memory()
+    if avail is not None and need > avail // 2:
+        raise DynatrainError(f"run-plan: running this switch locally needs about "
+                             f"{_fmt_bytes(need)} of memory, more than half of the "
+                             f"{_fmt_bytes(avail)} available; try smaller specs")
+    budget = parse_bytes(args.budget)
+    plan = plan_transition(src, dst, budget)
+    report = verify(plan, src, dst, None, budget)
+    if not report.ok:
+        print(report, file=sys.stderr)
+        raise VerificationError(report)
+
+    from .runtime.local import run_local
+
+    results = run_local(plan, sv, dv, seed=args.seed, timeout=args.timeout,
+                        progress=not args.quiet)
+    errors = [e for r in results for e in r["errors"]]
+    st = plan.stats
+    lines = [f"{plan.src_name}  ->  {plan.dst_name}",
+             f"  processes {len(devices)} local (gloo), one per device; seed {args.seed}"]
+    if any("report" not in r for r in results):
+        print("\n".join(lines + ["  switch    did not commit"]))
+        for e in errors[:5]:
+            print(f"  {e.splitlines()[0]}", file=sys.stderr)
+        return 1
+    moved = sum(r["report"]["bytes_sent"] for r in results)
+    seconds = max(r["seconds"] for r in results)
+    peak = max(r["report"]["peak_staging_bytes"] for r in results)
+    checked = sum(r["checked"] for r in results)
+    lines += [
+        f"  moved     {_fmt_bytes(moved)} in {len(plan.rounds)} round(s), "
+        f"{st['messages']} messages; {_fmt_bytes(st['bytes_local'])} copied locally",
+        f"  time      {seconds:.3f} s (slowest process), {moved / seconds / 1e9:.2f} GB/s achieved",
+        f"  staging   peak {_fmt_bytes(peak)} per device (planned "
+        f"{_fmt_bytes(st['peak_staging_bytes'])}, budget {_fmt_bytes(budget)})",
+        f"  bit-exact: {'no' if errors else 'yes'} ({checked} destination tensors on "
+        f"{len(plan.dst_devices)} ranks checked against the state built directly)",
+    ]
+    print("\n".join(lines))
+    for e in errors[:5]:
+        print(f"  {e.splitlines()[0]}", file=sys.stderr)
+    return 1 if errors else 0
+
+
 def cmd_prove(args: argparse.Namespace) -> int:
     from .verify.lemmas import LEMMAS, prove
 
@@ -314,6 +400,18 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--topology", default="h100",
                     help="h100, h800 or a topology YAML file (device memory capacity)")
     ve.set_defaults(func=cmd_verify)
+    rp = sub.add_parser("run-plan", help="run a switch here: one CPU process per device, "
+                                         "random state, checked bit for bit")
+    rp.add_argument("src")
+    rp.add_argument("dst")
+    rp.add_argument("--processes", type=int, default=16,
+                    help="the most local processes to start, one per device (default 16)")
+    rp.add_argument("--budget", default="2GiB", help="staging memory per device (default 2GiB)")
+    rp.add_argument("--seed", type=int, default=0, help="seed of the random state (default 0)")
+    rp.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds any one wait for peers may take (default 60)")
+    rp.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
+    rp.set_defaults(func=cmd_run_plan)
     pr = sub.add_parser("prove", help="prove with z3 the region arithmetic plans rely on")
     pr.add_argument("lemma", nargs="*", help="lemma names (default: all)")
     pr.set_defaults(func=cmd_prove)

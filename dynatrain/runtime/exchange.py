@@ -10,7 +10,8 @@ received into, one byte arena the process keeps for the whole switch and grows o
 round needs more. So staging never exceeds what the plan budgets (the message bytes), is
 usually far below it, and its pages are touched once per switch rather than once per round.
 
-In a round a process posts every receive, posts its straight sends, then packs and posts the
+Local copies (device to itself) run in whichever round ``spread_local`` gives them. In a round
+a process posts every receive, posts its straight sends, then packs and posts the
 rest piece by piece (the network moves a piece while the next is packed), copies its local
 messages, prepares the next round while the transfers run, and finally waits for its
 receives in order, unpacking each staged piece as soon as it lands. Every operation of a round
@@ -21,6 +22,7 @@ operations between two processes.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,14 +145,50 @@ def _pieces(m: Message, ordinal: int, views: ByteViews, side: str, rank: int, pe
     return out
 
 
+def spread_local(rounds: tuple[Round, ...], device: str, src_rank: int | None,
+                 dst_rank: int | None) -> list[list[Transfer]]:
+    """This device's local copies, spread over the rounds it runs.
+
+    The plan puts every local copy in the first round, beside that round's exchange; a device
+    with many local bytes would then finish the round late and post its next sends late, while
+    it idles in rounds with little traffic. Local copies touch nothing another process waits
+    for, so each device may run them in any round: largest first, each goes to the round where
+    this device has the fewest bytes so far (its remote message bytes plus copies placed).
+    """
+    load = [0] * len(rounds)
+    local: list[Transfer] = []
+    for i, rnd in enumerate(rounds):
+        for mi in rnd.device_order().get(device, ()):
+            m = rnd.messages[mi]
+            if not m.local:
+                load[i] += m.nbytes
+                continue
+            for t in m.transfers:
+                if t.src_rank != src_rank or t.dst_rank != dst_rank:
+                    raise ValueError(f"local transfer {t} does not stay on {device}")
+            local.extend(m.transfers)
+    out: list[list[Transfer]] = [[] for _ in rounds]
+    heap = [(b, i) for i, b in enumerate(load)]
+    heapq.heapify(heap)
+    for t in sorted(local, key=lambda t: -t.nbytes):
+        b, i = heapq.heappop(heap)
+        out[i].append(t)
+        heapq.heappush(heap, (b + t.nbytes, i))
+    return out
+
+
 def prepare_round(i: int, rnd: Round, device: str, src_rank: int | None, dst_rank: int | None,
-                  src: ByteViews | None, dst: ByteViews | None, devices: tuple[str, ...]
-                  ) -> RoundWork:
-    """Views and pieces of this process's part of round ``i`` (no data moves yet)."""
+                  src: ByteViews | None, dst: ByteViews | None, devices: tuple[str, ...],
+                  local: list[Transfer]) -> RoundWork:
+    """Views and pieces of this process's part of round ``i`` (no data moves yet); ``local``:
+    the local copies this device runs in the round (``spread_local``)."""
     recvs: list[Piece] = []
     sends: list[Piece] = []
-    local: list[Transfer] = []
-    sent = received = n_local = 0
+    if local and (src is None or dst is None):
+        raise ValueError(f"local copies on {device}, which is not both a source and a "
+                         "destination device")
+    sent = received = 0
+    n_local = sum(t.nbytes for t in local)
     mine = rnd.device_order().get(device, ())
     # Tags: the k-th message of a device pair in this round (both ends count alike).
     seen: dict[tuple[str, str], int] = {}
@@ -164,15 +202,8 @@ def prepare_round(i: int, rnd: Round, device: str, src_rank: int | None, dst_ran
         m = rnd.messages[mi]
         nbytes = m.nbytes
         if m.local:
-            if src is None or dst is None:
-                raise ValueError(f"local message on {device}, which is not both a source and "
-                                 "a destination device")
-            for t in m.transfers:
-                if t.src_rank != src_rank or t.dst_rank != dst_rank:
-                    raise ValueError(f"local transfer {t} does not stay on {device}")
-                local.append(t)
-            n_local += nbytes
-        elif m.src_device == device:
+            continue  # run in the round spread_local chose
+        if m.src_device == device:
             if src is None:
                 raise ValueError(f"{device} sends a message but holds no source rank")
             sends += _pieces(m, ordinal[mi], src, "src", src_rank, devices.index(m.dst_device))

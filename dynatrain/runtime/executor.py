@@ -54,7 +54,7 @@ from ..ir.errors import DynatrainError
 from ..ir.state import StateView
 from ..planner.plan import Plan
 from .derive import derive_params
-from .exchange import Arena, RoundWork, prepare_round, run_round
+from .exchange import Arena, RoundWork, prepare_round, run_round, spread_local
 from .storage import ByteViews, Storage, allocate, checksums, storage_layout
 
 log = logging.getLogger("dynatrain.runtime")
@@ -276,9 +276,11 @@ def _run_rounds(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
     src_views = ByteViews(src) if src is not None else None
     dst_views = ByteViews(dst) if dst is not None else None
 
+    local = spread_local(plan.rounds, me.device, me.src_rank, me.dst_rank)
+
     def prepare(i: int) -> RoundWork:
         return prepare_round(i, plan.rounds[i], me.device, me.src_rank, me.dst_rank, src_views,
-                             dst_views, devices)
+                             dst_views, devices, local[i])
 
     n = len(plan.rounds)
     reports: list[RoundReport] = []

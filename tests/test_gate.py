@@ -17,7 +17,7 @@ from hypothesis import Phase, event, find, given, note, settings
 from hypothesis import strategies as st
 
 from dynatrain.ir.layout import Layout
-from dynatrain.ir.state import StateView
+from dynatrain.ir.state import transition_views
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.schedule import peak_staging
 from dynatrain.verify.simulate import execute, materialize
@@ -64,7 +64,7 @@ def test_random_transition_is_verified_and_bit_exact(t: Transition, seed: int) -
     plan = plan_transition(src, dst, t.budget, place=t.place)
     report = verify(plan, src, dst)
     assert report.ok, str(report)
-    s, d = StateView(src), StateView(dst)
+    s, d = transition_views(src, dst)
     rng = np.random.default_rng(seed)
     tensors = {tk: rng.standard_normal(lt.shape).astype(np.float32)
                for tk, lt in s.tensors().items()}

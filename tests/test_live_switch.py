@@ -10,8 +10,9 @@ jobs must hold the same state bit for bit (megatron's own view: module state dic
 buffers, optimizer state, step), and one more training step must give both the same losses
 and the same state again.
 
-Vocab sizes are chosen so that no layout pads the vocabulary: padding rows are not state in the
-IR (a switch leaves them zero), while a checkpoint with an unchanged padded size carries them.
+Both cases pad the vocabulary (250 -> 256, 200 -> 208) to the same size in A and B: Megatron
+trains the padding rows (their logits enter the softmax), and the switch must carry them as the
+checkpoint reload does.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from dynatrain.ir.layout import Layout
-from dynatrain.ir.state import view_of
+from dynatrain.ir.state import transition_views
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.runtime.executor import process_devices, switch
 from dynatrain.runtime.megatron import extract_state, install_state
@@ -34,11 +35,11 @@ from megatron_support import live
 
 SWITCHES = {
     "tp2-dp2->pp2-dp2-tied": (
-        case("a", 4, tp=2, num_query_groups=2, swiglu=True, vocab_size=256),
-        case("b", 4, pp=2, num_query_groups=2, swiglu=True, vocab_size=256)),
+        case("a", 4, tp=2, num_query_groups=2, swiglu=True, vocab_size=250),
+        case("b", 4, pp=2, num_query_groups=2, swiglu=True, vocab_size=250)),
     "moe-ep2-edp2->ep4-pp1": (
-        case("a", 4, ep=2, swiglu=True, vocab_size=256, **live.EXPERT_BIAS, **MOE),
-        case("b", 4, ep=4, swiglu=True, vocab_size=256, **live.EXPERT_BIAS, **MOE)),
+        case("a", 4, ep=2, swiglu=True, vocab_size=200, **live.EXPERT_BIAS, **MOE),
+        case("b", 4, ep=4, swiglu=True, vocab_size=200, **live.EXPERT_BIAS, **MOE)),
 }
 
 
@@ -46,7 +47,8 @@ SWITCHES = {
 def test_switched_job_equals_megatron_checkpoint_reload(name: str) -> None:
     cfg_a, cfg_b = SWITCHES[name]
     la, lb = Layout(to_spec(cfg_a)), Layout(to_spec(cfg_b))
-    va, vb = view_of(la), view_of(lb)
+    va, vb = transition_views(la, lb)
+    assert va.vocab_rows > la.model.vocab_size  # padding rows are carried
     plan = plan_transition(la, lb, 1 << 30)
     check(plan, la, lb)
     devices = process_devices(plan)

@@ -8,7 +8,7 @@ import pytest
 
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import load_spec, spec_from_dict
-from dynatrain.ir.state import StateView
+from dynatrain.ir.state import transition_views
 from dynatrain.planner.intersect import PlanError
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.sources import node_of
@@ -53,7 +53,7 @@ def test_auto_placed_plan_is_bit_exact() -> None:
     assert plan.stats["bytes_moved"] < naive.stats["bytes_moved"]
     assert plan.stats["naive_bytes_moved"] == naive.stats["bytes_moved"]
     assert _tp_groups_in_nodes(plan, dst)
-    s, d = StateView(src), StateView(dst)
+    s, d = transition_views(src, dst)
     rng = np.random.default_rng(3)
     tensors = {tk: rng.standard_normal(t.shape).astype(np.float32)
                for tk, t in s.tensors().items()}

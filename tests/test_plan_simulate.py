@@ -3,7 +3,8 @@
 Each transition builds source storage from random global tensors, runs the plan, and compares
 with the destination storage built directly from the same tensors. Covers changes of TP (incl.
 non-power-of-two), PP (even/uneven), VPP, DP, CP, EP, ETP, dist-opt on/off, vocab padding and
-world grow/shrink.
+world grow/shrink. The global tensors cover the vocab rows the switch carries (padding rows
+both layouts hold are trained state in Megatron), so those rows are checked too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import spec_from_dict
-from dynatrain.ir.state import StateView
+from dynatrain.ir.state import transition_views
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.schedule import peak_staging
 from dynatrain.verify.simulate import execute, materialize
@@ -52,7 +53,7 @@ TRANSITIONS = [
 @pytest.mark.parametrize("name,src,dst", TRANSITIONS, ids=[t[0] for t in TRANSITIONS])
 @pytest.mark.parametrize("budget", [1 << 30, 4096])
 def test_plan_reproduces_destination_bit_exact(name, src, dst, budget) -> None:
-    s, d = StateView(Layout(src)), StateView(Layout(dst))
+    s, d = transition_views(Layout(src), Layout(dst))
     rng = np.random.default_rng(7)
     tensors = {tk: rng.standard_normal(t.shape).astype(np.float32) for tk, t in
                s.tensors().items()}
@@ -78,7 +79,7 @@ DERIVE = [
 @pytest.mark.parametrize("name,src,dst", DERIVE, ids=[t[0] for t in DERIVE])
 def test_derived_params_are_not_sent_and_come_out_exact(name, src, dst) -> None:
     dst = dst.model_copy(update={"state": dst.state.model_copy(update={"derive_param": True})})
-    s, d = StateView(Layout(src)), StateView(Layout(dst))
+    s, d = transition_views(Layout(src), Layout(dst))
     rng = np.random.default_rng(11)
     tensors = {tk: rng.standard_normal(t.shape).astype(np.float32) for tk, t in
                s.tensors().items()}
@@ -97,3 +98,26 @@ def test_derived_params_are_not_sent_and_come_out_exact(name, src, dst) -> None:
         for k in w:
             np.testing.assert_array_equal(g[k].view(np.uint32), w[k].view(np.uint32),
                                           err_msg=f"rank {rank} {k}")
+
+
+@pytest.mark.parametrize("src_tp,dst_tp,rows", [(2, 6, 160), (2, 3, 160), (3, 1, 152)])
+def test_vocab_padding_rows_both_hold_are_carried_and_new_ones_zero(src_tp, dst_tp, rows) -> None:
+    # vocab 150, padded to a multiple of 8 * tp: tp1 152, tp2 160, tp3 168, tp6 192. A reload
+    # through megatron's checkpoint copies the rows both sizes hold and zero-fills the rest.
+    src, dst = Layout(spec(DENSE, src_tp, tp=src_tp)), Layout(spec(DENSE, dst_tp, tp=dst_tp))
+    s, d = transition_views(src, dst)
+    assert s.vocab_rows == d.vocab_rows == rows
+    key = "embedding.word_embeddings.weight"
+    assert s.tensors()[(key, "param")].shape[0] == rows
+    rng = np.random.default_rng(5)
+    tensors = {tk: rng.standard_normal(t.shape).astype(np.float32) + 1 for tk, t in
+               s.tensors().items()}
+    got = execute(plan_transition(src, dst, 1 << 20), materialize(s, tensors), d)
+    Vp = dst.padded_vocab
+    # TP row shards; a rank whose rows are all past the carried ones stores nothing (zeros).
+    H = DENSE["hidden_size"]
+    table = np.concatenate([g.get(("param", "ParamSlot", 0, key), np.zeros((Vp // dst_tp, H)))
+                            for g in got])
+    assert table.shape[0] == Vp
+    np.testing.assert_array_equal(table[:rows], tensors[(key, "param")])  # padding included
+    assert not table[rows:].any() and (table[150:rows] != 0).all()

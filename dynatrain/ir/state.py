@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .box import Box
+from .errors import LayoutError
 from .buffers import BufferLayout, owned_ranges
 from .layout import Layout
 from .shard import Shard, logical_box
@@ -208,10 +209,21 @@ def _row_major_contiguous(shape: tuple[int, ...], size: tuple[int, ...]) -> bool
 
 
 class StateView:
-    """Logical tensors and per-rank regions of a ``Layout`` for the state kinds its spec names."""
+    """Logical tensors and per-rank regions of a ``Layout`` for the state kinds its spec names.
 
-    def __init__(self, layout: Layout) -> None:
+    ``vocab_rows``: how many rows of the vocab-split tensors (embedding, output layer) are data.
+    By default the real vocabulary; the padding rows past it are zeros at initialization but
+    Megatron trains them (their logits enter the softmax), so a switch between two layouts
+    carries every row both hold (``transition_views``), as a checkpoint reload does.
+    """
+
+    def __init__(self, layout: Layout, vocab_rows: int | None = None) -> None:
         self.layout = layout
+        V, Vp = layout.model.vocab_size, layout.padded_vocab
+        self.vocab_rows = V if vocab_rows is None else vocab_rows
+        if not V <= self.vocab_rows <= Vp:
+            raise LayoutError(f"vocab_rows must lie in [vocab_size, padded vocab] = [{V}, {Vp}]."
+                              f" Got {self.vocab_rows}")
         self._tensors: dict[tuple[str, str], LogicalTensor] | None = None
         self._buffer_cache: dict[tuple[int, ...], tuple[Stored, ...]] = {}
         st = layout.spec.state
@@ -228,7 +240,7 @@ class StateView:
 
     def _collect_tensors(self) -> dict[tuple[str, str], LogicalTensor]:
         L, out = self.layout, {}
-        V = L.model.vocab_size
+        V = self.vocab_rows
         for pp in range(L.parallel.pp):
             for ep in range(L.parallel.ep):
                 for cs in L._shards(pp, 0, ep, 0):
@@ -309,7 +321,7 @@ class StateView:
 
     def _module_stored(self, model: tuple[int, int, int, int], expert: bool) -> list[Stored]:
         L = self.layout
-        V = L.model.vocab_size
+        V = self.vocab_rows
         opt_kinds = tuple(k for k in self.kinds if k != "param")
         kinds = ("param",) if L.parallel.use_distributed_optimizer else ("param", *opt_kinds)
         out: list[Stored] = []
@@ -363,7 +375,7 @@ class StateView:
     def _compute_buffer_stored(self, model: tuple[int, int, int, int], bi: int,
                                buf: BufferLayout, opt_rank: int) -> tuple[Stored, ...]:
         L = self.layout
-        V = L.model.vocab_size
+        V = self.vocab_rows
         opt_kinds = tuple(k for k in self.kinds if k != "param")
         by_name = {sh.param.name: sh for cs in L._shards(*model) if cs.chunk.vp == buf.chunk
                    for sh in cs.shards}
@@ -380,16 +392,37 @@ class StateView:
         return tuple(out)
 
 
-def view_of(layout: Layout) -> StateView:
-    """The one ``StateView`` of ``layout``, so the planner and the verifier share its caches.
+def view_of(layout: Layout, vocab_rows: int | None = None) -> StateView:
+    """The one ``StateView`` of ``layout`` (per ``vocab_rows``), so the planner and the verifier
+    share its caches.
 
     Computing what every rank holds is the IR's job, done once; what consumers do with it
     (intersect, check) stays their own.
     """
-    view = layout.__dict__.get("_state_view")
+    views = layout.__dict__.setdefault("_state_views", {})
+    view = views.get(vocab_rows)
     if view is None:
-        view = layout.__dict__["_state_view"] = StateView(layout)
+        view = views[vocab_rows] = StateView(layout, vocab_rows)
     return view
+
+
+def switch_vocab_rows(src: Layout, dst: Layout) -> int | None:
+    """Vocab rows a switch from ``src`` to ``dst`` carries: every row both layouts hold.
+
+    A checkpoint reload copies the overlap of the saved and the new padded vocabulary and
+    zero-fills the rest (megatron-core's ``allow_shape_mismatch`` load), so rows up to the
+    smaller padded size are state, padding included. None when the models' vocabularies differ
+    (not the same model: the planner refuses it).
+    """
+    if src.model.vocab_size != dst.model.vocab_size:
+        return None
+    return min(src.padded_vocab, dst.padded_vocab)
+
+
+def transition_views(src: Layout, dst: Layout) -> tuple[StateView, StateView]:
+    """The state views of both sides of a switch, with the vocab rows the switch carries."""
+    rows = switch_vocab_rows(src, dst)
+    return view_of(src, rows), view_of(dst, rows)
 
 
 def _flat_index(shape: tuple[int, ...], idx: tuple[int, ...]) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..ir.layout import Layout
-from ..ir.state import StateView, view_of
+from ..ir.state import StateView, transition_views
 from .cost import H100, Topology, lower_bound_seconds, predicted_seconds
 from .gcpause import cycle_collector_paused
 from .intersect import Intersection, PlanError, intersect
@@ -60,7 +60,7 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
 def _plan(src: Layout, dst: Layout, budget_bytes: int, topology: Topology, trace: Trace | None,
           place: str) -> Plan:
     t0 = time.perf_counter()
-    sv, dv = view_of(src), view_of(dst)
+    sv, dv = transition_views(src, dst)
     dtypes = check_compatible(sv, dv)
 
     def step(name: str, fn: Callable[[], Any]) -> Any:

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 
 from ..ir.layout import Layout
-from ..ir.state import view_of
+from ..ir.state import transition_views
 from ..planner.cost import Topology
 from ..planner.gcpause import cycle_collector_paused
 from ..planner.plan import Plan
@@ -56,7 +56,7 @@ def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
         if per_rule[v.rule] <= limit:
             kept.append(v)
 
-    sv, dv = view_of(src), view_of(dst)
+    sv, dv = transition_views(src, dst)
     checked: dict = {"rounds": len(plan.rounds)}
     if _devices_match(plan, src, dst, emit):
         checked["transfers"], staging = check_data(plan, sv, dv, emit)

@@ -42,7 +42,7 @@ from functools import lru_cache
 
 from ..ir.box import Box
 from ..ir.layout import Layout
-from ..ir.state import StateView
+from ..ir.state import StateView, switch_vocab_rows
 from ..planner.plan import Message, Plan, Round, Transfer
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8}
@@ -74,8 +74,8 @@ class Mutant:
 class _Facts:
     """What each rank of a layout holds, looked up by region, and its expert weights."""
 
-    def __init__(self, layout: Layout) -> None:
-        self.view = StateView(layout)
+    def __init__(self, layout: Layout, vocab_rows: int | None) -> None:
+        self.view = StateView(layout, vocab_rows)
         self._held: dict[int, dict[tuple, tuple[str, ...]]] = {}
         self._by_key: dict[int, dict[str, list[Box]]] = {}
         keys: set[str] = set()
@@ -111,8 +111,13 @@ class _Facts:
 
 
 @lru_cache(maxsize=16)  # a few layouts at a time; a Layout hashes by identity
-def _facts(layout: Layout) -> _Facts:
-    return _Facts(layout)
+def _layout_facts(layout: Layout, vocab_rows: int | None) -> _Facts:
+    return _Facts(layout, vocab_rows)
+
+
+def _facts(layout: Layout, src: Layout, dst: Layout) -> _Facts:
+    """Facts of ``layout`` as the switch from ``src`` to ``dst`` sees it (its vocab rows)."""
+    return _layout_facts(layout, switch_vocab_rows(src, dst))
 
 
 # ---- plan surgery: immutable edits that keep everything else consistent -------------------------
@@ -214,7 +219,7 @@ def _at(plan: Plan, w: Where) -> Transfer:
 
 
 def _bytes_per_element(dst: Layout, key: str, kinds: tuple[str, ...]) -> int:
-    f = _facts(dst)
+    f = _layout_facts(dst, None)  # dtypes only: the same for any vocab rows
     return sum(ITEMSIZE.get(f.dtype(key, k) or "", 8) for k in kinds)
 
 
@@ -310,7 +315,7 @@ def swap_kind(plan: Plan, src: Layout, dst: Layout, rng: random.Random) -> Mutan
     Prefers a kind the destination holds in that slot and the transfer does not carry, of the
     same dtype; otherwise any per-parameter kind the destination has. Bytes follow the dtypes.
     """
-    f = _facts(dst)
+    f = _facts(dst, src, dst)
     best: list[tuple[int, Where, str, str]] = []
     for w in _transfers(plan, rng):
         t = _at(plan, w)
@@ -378,7 +383,7 @@ def _replaced(op: str, rule: str, plan: Plan, w: Where, t: Transfer, text: str,
 def swap_placement(plan: Plan, src: Layout, dst: Layout, rng: random.Random) -> Mutant | None:
     """Swap the devices of two destination ranks that hold different state in the plan's
     placement table, leaving the messages addressed as before (a placement bug)."""
-    f = _facts(dst)
+    f = _facts(dst, src, dst)
     pairs = [(a, b) for a in range(dst.world) for b in range(a + 1, dst.world)
              if plan.dst_devices[a] != plan.dst_devices[b] and f.held(a).keys() != f.held(b).keys()]
     if not pairs:
@@ -400,7 +405,7 @@ def false_derive(plan: Plan, src: Layout, dst: Layout, rng: random.Random) -> Mu
     """Claim that the destination derives a state kind it does not (``Plan.derived``) and send
     none of it: the param when the destination spec has ``state.derive_param`` off, or an
     optimizer kind, which nothing can derive. That kind is then never written."""
-    f = _facts(dst)
+    f = _facts(dst, src, dst)
     derive_param = dst.spec.state.derive_param
     sent = {k for m in plan.messages() for t in m.transfers for k in t.kinds}
     cands = [k for k in f.view.kinds if k not in plan.derived and k in sent
@@ -449,7 +454,7 @@ def _move_transfer(plan: Plan, w: Where, t: Transfer, src_device: str, dst_devic
 def wrong_source(plan: Plan, src: Layout, dst: Layout, rng: random.Random) -> Mutant | None:
     """Re-point a transfer at a source rank that does not hold its region for its kinds; it
     moves to a message from that rank's device."""
-    f = _facts(src)
+    f = _facts(src, src, dst)
     ranks = list(range(src.world))
     for w in _transfers(plan, rng):
         t = _at(plan, w)
@@ -471,7 +476,7 @@ def expert_second_owner(plan: Plan, src: Layout, dst: Layout, rng: random.Random
     """Redirect an expert-weight transfer to a destination rank of the same expert-data-
     parallel replica that does not own any of its elements (a second owner in that replica).
     Applies only to plans that move expert weights."""
-    f = _facts(dst)
+    f = _facts(dst, src, dst)
     if not f.expert_keys:
         return None
     for w in _transfers(plan, rng):

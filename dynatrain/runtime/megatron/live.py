@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ...ir.errors import DynatrainError, LayoutError
 from ...ir.layout import Layout
 from ...ir.spec import LayoutSpec
-from ...ir.state import StateView, view_of
+from ...ir.state import transition_views
 from ...planner.cost import H100, Topology
 from ...planner.pipeline import plan_transition
 from ...planner.plan import Plan
@@ -148,10 +148,6 @@ class LiveSwitcher:
     def rank(self) -> int:
         return self.layout.devices.index(self.device)
 
-    @property
-    def view(self) -> StateView:
-        return view_of(self.layout)
-
     def prepare(self, dst_spec: LayoutSpec) -> Future[Prepared]:
         """Plan and verify the switch to ``dst_spec`` in the background; errors surface in
         ``switch`` (or from the returned future)."""
@@ -214,7 +210,8 @@ class LiveSwitcher:
             raise failure
         assert prep is not None
         t.append(time.perf_counter())
-        src_view, dst_view = self.view, view_of(prep.dst)
+        # The plan's views: both carry the vocab padding rows the two layouts share.
+        src_view, dst_view = transition_views(self.layout, prep.dst)
         src = extract_state(src_view, self.rank, job.model_chunks, job.optimizer)
         scheduler = job.scheduler.state_dict() if job.scheduler is not None else None
         t.append(time.perf_counter())

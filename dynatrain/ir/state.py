@@ -392,6 +392,47 @@ class StateView:
         return tuple(out)
 
 
+def slot_key(kind: str, slot: Slot) -> tuple:
+    """The key of ``slot``'s tensor in a rank's local storage, for state ``kind``."""
+    return (kind, type(slot).__name__, slot.chunk, slot.name)
+
+
+def storage_tensors(view: StateView, rank: int) -> dict[tuple, tuple[tuple[int, ...], str]]:
+    """Every tensor of ``rank``'s local storage: ``slot_key`` -> (shape, IR dtype).
+
+    A ``ParamSlot`` is the TP-local parameter (its local shape, padding rows included), a
+    ``FlatSlot`` the DistributedOptimizer's shard of one parameter (its owned length), a
+    ``BufferSlot`` the module buffer (its box). Executors allocate exactly these.
+
+    Raises:
+        LayoutError: logical tensors that share a slot disagree on its dtype.
+    """
+    L = view.layout
+    specs = view.tensors()
+    shapes = {(cs.chunk.vp, sh.param.name): sh.local_shape for cs in L.rank_shards(rank)
+              for sh in cs.shards}
+    lengths = {(b.chunk, o.name): o.param[1] - o.param[0] for b, owned in L.rank_owned(rank)
+               for o in owned}
+    out: dict[tuple, tuple[tuple[int, ...], str]] = {}
+    for reg in view.regions(rank):
+        k = slot_key(reg.kind, reg.slot)
+        dtype = specs[(reg.key, reg.kind)].dtype
+        have = out.get(k)
+        if have is not None:
+            if have[1] != dtype:
+                raise LayoutError(f"slot {k} holds {have[1]} and {dtype} (from {reg.key})")
+            continue
+        s = reg.slot
+        if isinstance(s, ParamSlot):
+            shape = tuple(shapes[(s.chunk, s.name)])
+        elif isinstance(s, FlatSlot):
+            shape = (lengths[(s.chunk, s.name)],)
+        else:
+            shape = reg.box.shape
+        out[k] = (shape, dtype)
+    return out
+
+
 def view_of(layout: Layout, vocab_rows: int | None = None) -> StateView:
     """The one ``StateView`` of ``layout`` (per ``vocab_rows``), so the planner and the verifier
     share its caches.

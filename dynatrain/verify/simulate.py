@@ -13,41 +13,20 @@ import math
 import numpy as np
 
 from ..ir.box import Box
-from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot, StateView
+from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot, StateView, slot_key, storage_tensors
 from ..planner.plan import Plan
 
 Storage = dict[tuple, np.ndarray]  # per rank: (kind, slot kind, chunk, name) -> array
 
 
-def _slot_key(kind: str, slot: Slot) -> tuple:
-    return (kind, type(slot).__name__, slot.chunk, slot.name)
-
-
 def allocate(view: StateView, rank: int) -> Storage:
     """Zero-filled local storage of ``rank`` (padding stays zero, as Megatron fills it)."""
-    L = view.layout
-    store: Storage = {}
-    shapes = {(cs.chunk.vp, sh.param.name): sh.local_shape for cs in L.rank_shards(rank)
-              for sh in cs.shards}
-    lengths = {(b.chunk, o.name): o.param[1] - o.param[0] for b, owned in L.rank_owned(rank)
-               for o in owned}
-    for reg in view.regions(rank):
-        k = _slot_key(reg.kind, reg.slot)
-        if k in store:
-            continue
-        s = reg.slot
-        if isinstance(s, ParamSlot):
-            store[k] = np.zeros(shapes[(s.chunk, s.name)], np.float32)
-        elif isinstance(s, FlatSlot):
-            store[k] = np.zeros(lengths[(s.chunk, s.name)], np.float32)
-        else:
-            store[k] = np.zeros(reg.box.shape, np.float32)
-    return store
+    return {k: np.zeros(shape, np.float32) for k, (shape, _) in storage_tensors(view, rank).items()}
 
 
 def region(store: Storage, kind: str, slot: Slot, anchor: Box) -> np.ndarray:
     """A writable view of ``anchor`` inside the storage of ``slot``."""
-    arr = store[_slot_key(kind, slot)]
+    arr = store[slot_key(kind, slot)]
     if isinstance(slot, ParamSlot):
         local = anchor.shape[len(anchor.shape) - arr.ndim:]
         sl = tuple(slice(o, o + n) for o, n in zip(slot.local_offset, local))

@@ -55,7 +55,7 @@ import torch.multiprocessing as tmp
 
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import spec_from_dict
-from dynatrain.ir.state import StateView
+from dynatrain.ir.state import StateView, transition_views
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Plan
 from dynatrain.runtime.executor import process_devices, switch
@@ -277,8 +277,8 @@ def _megatron_live(name: str, budget: int) -> dict[str, Any]:
         c["seq_length"] = c.pop("max_position_embeddings")
         return live.resolve(c)
 
-    sv = StateView(Layout(spec_from_dict(_spec(_label(src_par), **src_par))))
-    dv = StateView(Layout(spec_from_dict(_spec(_label(dst_par), **dst_par))))
+    sv, dv = transition_views(Layout(spec_from_dict(_spec(_label(src_par), **src_par))),
+                              Layout(spec_from_dict(_spec(_label(dst_par), **dst_par))))
     plan = plan_transition(sv.layout, dv.layout, budget)
     devices = process_devices(plan)
     ca, cb = cfg(src_par), cfg(dst_par)
@@ -431,8 +431,8 @@ def _megatron_available() -> tuple[bool, str]:
 def run_case(name: str, budget: int, repeats: int) -> dict[str, Any]:
     """Plan one case, fork its processes, gather and reduce their measurements."""
     src_par, dst_par = CASES[name]
-    sv = StateView(Layout(spec_from_dict(_spec(_label(src_par), **src_par))))
-    dv = StateView(Layout(spec_from_dict(_spec(_label(dst_par), **dst_par))))
+    sv, dv = transition_views(Layout(spec_from_dict(_spec(_label(src_par), **src_par))),
+                              Layout(spec_from_dict(_spec(_label(dst_par), **dst_par))))
     plan = plan_transition(sv.layout, dv.layout, budget)
     tensors = random_global(sv, SEED)
     devices = process_devices(plan)

@@ -280,7 +280,7 @@ def _available_memory() -> int | None:
 
 
 def cmd_run_plan(args: argparse.Namespace) -> int:
-    from .ir.state import StateView
+    from .ir.state import transition_views
     from .ir.summary import bytes_by_kind
     from .planner.pipeline import plan_transition
 
@@ -297,7 +297,7 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
                              f"try smaller specs, e.g. specs/tiny-gpt/")
     # Every process draws the whole logical state, then builds its ranks: refuse what will not
     # fit rather than let the machine swap or kill processes.
-    sv, dv = StateView(src), StateView(dst)
+    sv, dv = transition_views(src, dst)  # with the vocab padding rows the switch carries
     logical = sum(t.numel * _DTYPE_BYTES.get(t.dtype, 8) for t in sv.tensors().values())
     ranks = sum(k.total_bytes for k in bytes_by_kind(src)) + 2 * sum(
         k.total_bytes for k in bytes_by_kind(dst))

@@ -26,7 +26,7 @@ import torch.multiprocessing as tmp
 
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import spec_from_dict
-from dynatrain.ir.state import StateView
+from dynatrain.ir.state import StateView, transition_views
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Plan
 from dynatrain.runtime import exchange
@@ -220,7 +220,7 @@ def run_switch(name: str, tmp_path: Path, timeout: float = 20.0, fault: str = "n
                **kw: object) -> tuple[Job, list[dict]]:
     """Plan ``CASES[name]``, run it in one forked process per device; per-process results."""
     src, dst, budget = CASES[name]
-    sv, dv = StateView(Layout(src)), StateView(Layout(dst))
+    sv, dv = transition_views(Layout(src), Layout(dst))  # padding rows both hold are carried
     plan = plan_transition(sv.layout, dv.layout, budget)
     job = Job(plan, sv, dv, process_devices(plan), tmp_path, timeout, fault, **kw)
     ctx = tmp.start_processes(_worker, args=(job,), nprocs=len(job.devices), join=False,

@@ -20,7 +20,8 @@ import torch
 
 from ..ir.box import Box
 from ..ir.errors import LayoutError
-from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot, StateView
+from ..ir.state import (BufferSlot, FlatSlot, ParamSlot, Slot, StateView, slot_key,
+                        storage_tensors)
 
 Storage = dict[tuple, torch.Tensor]  # per rank: (kind, slot kind, chunk, name) -> tensor
 
@@ -32,11 +33,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def slot_key(kind: str, slot: Slot) -> tuple:
-    """The storage key of ``slot`` for state ``kind`` (the oracle's key, so stores compare)."""
-    return (kind, type(slot).__name__, slot.chunk, slot.name)
-
-
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of an IR dtype name (``bf16``, ``fp16``, ``fp32``, ``int64``)."""
     try:
@@ -46,37 +42,14 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def storage_layout(view: StateView, rank: int) -> dict[tuple, tuple[tuple[int, ...], torch.dtype]]:
-    """The keys of ``rank``'s storage with each tensor's shape and dtype (what ``allocate``
-    builds), without allocating anything.
+    """The keys of ``rank``'s storage with each tensor's shape and torch dtype (what
+    ``allocate`` builds: the IR's ``storage_tensors``), without allocating anything.
 
     Raises:
         LayoutError: logical tensors that share a slot disagree on its dtype.
     """
-    L = view.layout
-    tensors = view.tensors()
-    shapes = {(cs.chunk.vp, sh.param.name): sh.local_shape for cs in L.rank_shards(rank)
-              for sh in cs.shards}
-    lengths = {(b.chunk, o.name): o.param[1] - o.param[0] for b, owned in L.rank_owned(rank)
-               for o in owned}
-    out: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
-    for reg in view.regions(rank):
-        k = slot_key(reg.kind, reg.slot)
-        dtype = torch_dtype(tensors[(reg.key, reg.kind)].dtype)
-        have = out.get(k)
-        if have is not None:
-            # Several logical tensors may share one slot; they must agree on its dtype.
-            if have[1] != dtype:
-                raise LayoutError(f"slot {k} holds {have[1]} and {dtype} (from {reg.key})")
-            continue
-        s = reg.slot
-        if isinstance(s, ParamSlot):
-            shape = tuple(shapes[(s.chunk, s.name)])
-        elif isinstance(s, FlatSlot):
-            shape = (lengths[(s.chunk, s.name)],)
-        else:
-            shape = tuple(reg.box.shape)
-        out[k] = (shape, dtype)
-    return out
+    return {k: (tuple(shape), torch_dtype(dtype))
+            for k, (shape, dtype) in storage_tensors(view, rank).items()}
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

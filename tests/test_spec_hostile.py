@@ -58,11 +58,11 @@ TINY_MOE = {
     "parallel": {"tp": 2, "ep": 2, "etp": 1},
     "world": {"devices": [f"node{n}:gpu{g}" for n in (3, 1) for g in range(4)]},
 }
-# The shipped specs name a preset; spelled-out copies let mutations reach every model field.
+# Most shipped specs name a preset; spelled-out copies let mutations reach every model field.
 BASES = (
     SHIPPED
-    + [dict(s, model=dict(PRESETS[s["model"]])) for s in SHIPPED]
-    + [dict(s, model={"preset": s["model"]}) for s in SHIPPED]
+    + [dict(s, model=dict(PRESETS[s["model"]])) for s in SHIPPED if isinstance(s["model"], str)]
+    + [dict(s, model={"preset": s["model"]}) for s in SHIPPED if isinstance(s["model"], str)]
     + [TINY_DENSE, TINY_MOE]
 )
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "world": WorldConfig,

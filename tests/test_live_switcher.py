@@ -4,10 +4,11 @@ In forked gloo workers (``megatron_support.live``) a job with megatron's LR sche
 layout A. On every process a ``LiveSwitcher``:
 
 * refuses a destination that is another model: ``prepare`` fails in the background and
-  ``switch`` raises the planner's error on every process, the job untouched;
+  ``switch`` raises ``SwitchFailed`` (caused by the planner's error) on every process, whose
+  ``job`` is the very job passed, untouched;
 * plans and verifies A -> B in the background while iteration 2 trains;
-* survives a failing destination build: the switch raises, megatron's parallel state is A's
-  again and the job (bit for bit unchanged) trains on in A;
+* survives a failing destination build: the switch raises ``SwitchFailed`` with the same job,
+  megatron's parallel state is A's again and the job (bit for bit unchanged) trains on in A;
 * then switches: the destination job must equal, bit for bit (megatron's own view of model,
   DDP buffers and optimizer, plus every param group's lr and weight decay), a fresh B job loaded
   from megatron's dist-checkpoint of A with A's scheduler state, and a further iteration must
@@ -23,7 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from dynatrain.ir.layout import Layout
 from dynatrain.planner.intersect import PlanError
-from dynatrain.runtime.megatron import LiveSwitcher, MegatronJob
+from dynatrain.runtime.megatron import LiveSwitcher, MegatronJob, SwitchFailed
 from dynatrain.verify.check import check
 from matrix import case, to_harness_cfg, to_spec
 from megatron_support import live
@@ -94,8 +95,9 @@ def test_live_switcher_prepares_switches_and_rolls_back() -> None:
             try:
                 sw.switch(job)
                 out["other_model"] = None
-            except PlanError as e:
-                out["other_model"] = str(e)
+            except SwitchFailed as e:
+                assert isinstance(e.__cause__, PlanError) and e.job is job
+                out["other_model"] = str(e.__cause__)
             out["other_model_untouched"] = live.native_diffs(before, state(job))
 
             future = sw.prepare(spec_b)
@@ -108,8 +110,9 @@ def test_live_switcher_prepares_switches_and_rolls_back() -> None:
             try:
                 sw.switch(job)
                 out["build_failure"] = None
-            except RuntimeError as e:
-                out["build_failure"] = str(e)
+            except SwitchFailed as e:
+                assert e.job is job
+                out["build_failure"] = str(e.__cause__)
             out["rolled_back_tp"] = ps.get_tensor_model_parallel_world_size()
             out["rolled_back_diffs"] = live.native_diffs(before, state(job))
             train(job)  # iteration 3, still in A

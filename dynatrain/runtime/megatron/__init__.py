@@ -1,12 +1,15 @@
 """Megatron-core integration: a live job's state as the IR's per-rank storage and back, and
-layout switches of a running job.
+layout switches of a running job, on the same processes or on a world that shrinks or grows.
 
 megatron-core is imported lazily (only when a function runs), so ``import dynatrain`` stays
 light on machines without it.
 """
 
 from .bridge import STEP_KEY, SlotSpec, extract_state, install_state, read_step, storage_spec
-from .live import LiveSwitcher, MegatronJob, Prepared, SwitchResult, parallel_kwargs
+from .job import MegatronJob, Prepared, SwitchFailed, SwitchResult, parallel_kwargs
+from .live import LiveSwitcher
+from .rendezvous import Rendezvous, RendezvousTimeout
 
-__all__ = ["STEP_KEY", "LiveSwitcher", "MegatronJob", "Prepared", "SlotSpec", "SwitchResult",
-           "extract_state", "install_state", "parallel_kwargs", "read_step", "storage_spec"]
+__all__ = ["STEP_KEY", "LiveSwitcher", "MegatronJob", "Prepared", "Rendezvous",
+           "RendezvousTimeout", "SlotSpec", "SwitchFailed", "SwitchResult", "extract_state",
+           "install_state", "parallel_kwargs", "read_step", "storage_spec"]

@@ -1,30 +1,56 @@
-"""Switch a running Megatron-core job to another parallel layout between two iterations.
+"""Switch a running Megatron-core job to another parallel layout between two iterations,
+on the same processes or on a world that shrinks or grows.
 
 Every process of the job owns a ``LiveSwitcher`` for its device. ``prepare(dst_spec)`` plans
 the switch and has it verified in a background thread while training goes on (the planner is
 deterministic, so every process computes the same plan on its own; ``switch`` confirms that
-with one all-gather of the plan's digest before anything moves). ``switch(job)`` then, at an
-iteration boundary:
+by agreeing on the plan's digest before anything moves). ``switch(job)`` then, at an iteration
+boundary, binds the job's state as IR storage (``extract_state``: views, no copies), runs the
+plan across the processes (``executor.switch``: all or nothing), sets up megatron's parallel
+state for the destination, builds the destination job with the caller's ``build`` (the code
+that built the job in the first place; it also seeds megatron's RNG streams for the new
+coordinates, as at startup: megatron itself does not carry them across a TP or PP change),
+installs the switched storage (``install_state``) and carries the LR scheduler, the iteration
+and the consumed samples over.
 
-1. binds the job's state as IR storage (``extract_state``: views, no copies);
-2. runs the plan across the processes (``executor.switch``: all or nothing; an abort leaves
-   the job and megatron's parallel state untouched, so training simply goes on in the old
-   layout);
-3. tears down megatron's parallel state and initializes the destination layout's;
-4. builds the destination model chunks and optimizer (the caller's ``build``, the code that
-   built the job in the first place), installs the switched storage into them
-   (``install_state``) and carries the LR scheduler state and the iteration over.
+**Same devices** (both layouts name the same devices, in sorted order): the switch runs in the
+job's own process group; no rendezvous is needed.
 
-If step 3 or 4 fails, the old layout's parallel state is restored before the error is raised,
-so the old job can keep training. Megatron's RNG streams cannot continue across a layout change
-(megatron ignores the RNG state whenever TP or PP change); ``build`` seeds them for the new
-coordinates, as at startup.
+**Another world** (devices leave or join, or ranks move to other devices). Megatron keeps its
+parallel state in the default process group, so that group must hold exactly the layout's
+processes; a ``Rendezvous`` (a store every process reaches, e.g. torchrun's TCPStore) lets
+processes move between groups:
 
-Limits: every process must be in both layouts with the same rank (megatron's parallel state
-lives in the default process group, whose size and ranks a switch cannot change), and the
-device names must sort in rank order (``executor.switch`` orders processes by device name).
-The verifier is passed in by the caller (``dynatrain.verify.check.check``): the runtime layer
-does not import the verifier.
+1. ``prepare`` announces the switch in the store (``switch/<g>``: both specs), so spare
+   processes can plan it too while the job trains;
+2. ``switch`` agrees on the plan in the job's group and posts ``go/<g>`` with the carried
+   scheduler state, iteration and samples; every process of the union of both layouts
+   (``process_devices(plan)``, rank = index there) then forms the default group of the switch,
+   checks that all planned the same switch and runs it;
+3. the destination's processes form the destination's default group (rank = layout rank),
+   initialize megatron's parallel state, build and install; every process of the union votes
+   through the store. Committed: staying and joining processes get the new job; leaving
+   processes get ``role == "left"``, no group and no parallel state, and may idle as spares
+   (``join``) or exit.
+
+Processes that join are ``LiveSwitcher(None, device, ...)`` spares that call ``join()``: spare
+processes that were in the job all along, or processes started later that reach the same store
+(a new rendezvous: e.g. a replacement node). ``join`` waits for an announced switch that names
+the device, plans and verifies it, takes part with no source state and returns the new job;
+it returns None once the job calls ``close()``.
+
+All or nothing: when a switch fails anywhere (planning, a missing or failing process, an
+aborted exchange, a failing destination build), ``switch`` raises ``SwitchFailed`` on every
+process still alive, whose ``job`` is the job to train on in the source layout: the same
+object when its groups survived, else (after another world's groups were formed) a job rebuilt
+in re-formed source groups holding the same state bit for bit. The source state is only ever
+read. A process that dies during the final vote may leave others committed (the limit of any
+commit protocol); a dead source process leaves nothing to roll back to.
+
+Under torchrun: give each process a device name (``node<N>:gpu<local_rank>``), a ``Rendezvous``
+on the agent's store (``TCPStore(MASTER_ADDR, MASTER_PORT, is_master=False)``) and a fresh
+prefix per job; processes outside the first layout start as spares. The verifier is passed in
+by the caller (``dynatrain.verify.check.check``): the runtime layer does not import it.
 """
 
 from __future__ import annotations
@@ -32,153 +58,144 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...ir.errors import DynatrainError, LayoutError
 from ...ir.layout import Layout
+from ...ir.loader import spec_from_dict, spec_to_dict
 from ...ir.spec import LayoutSpec
 from ...ir.state import transition_views
 from ...planner.cost import H100, Topology
 from ...planner.pipeline import plan_transition
-from ...planner.plan import Plan
 from ...planner.serialize import plan_to_json
-from ..executor import process_devices, switch
+from ..executor import SwitchAborted, switch
 from .bridge import extract_state, install_state
-
-
-@dataclass
-class MegatronJob:
-    """What a training loop holds between iterations, for one rank."""
-
-    model_chunks: list  # per virtual pipeline chunk (DDP-wrapped, as megatron trains them)
-    optimizer: Any  # what get_megatron_optimizer returned
-    scheduler: Any = None  # megatron's OptimizerParamScheduler (state_dict/load_state_dict)
-    iteration: int = 0
-
-
-Builder = Callable[[LayoutSpec], MegatronJob]  # build a fresh job in the current parallel state
-Verifier = Callable[[Plan, Layout, Layout], object]  # raises if the plan breaks a rule
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A planned and verified switch."""
-
-    dst_spec: LayoutSpec
-    dst: Layout
-    plan: Plan
-    digest: bytes  # blake2b of the plan's canonical JSON, its summary (timings) left out
-    plan_seconds: float
-    verify_seconds: float
-
-
-@dataclass
-class SwitchResult:
-    """The destination job and what the switch took on this process."""
-
-    job: MegatronJob
-    report: dict  # executor.switch's report
-    seconds: dict[str, float] = field(default_factory=dict)
-
-
-def parallel_kwargs(spec: LayoutSpec) -> dict:
-    """``parallel_state.initialize_model_parallel`` arguments of a spec's layout."""
-    p = spec.parallel
-    return dict(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-                virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
-                expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.expert_tp,
-                num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
-                order=p.order)
-
-
-def _check_world(src: Layout, dst: Layout) -> None:
-    if src.devices != dst.devices:
-        raise LayoutError("a live switch keeps every process at its rank: both layouts must "
-                          f"run on the same devices in the same order. Got {len(src.devices)} "
-                          f"devices ({src.devices[0]}, ...) and {len(dst.devices)} "
-                          f"({dst.devices[0]}, ...)")
-    if tuple(sorted(src.devices)) != src.devices:
-        raise LayoutError("executor.switch orders processes by device name, so the device "
-                          f"names must sort in rank order. Got {src.devices[:4]}...")
+from .job import (Builder, MegatronJob, Prepared, SwitchFailed, SwitchResult, Verifier, carried,
+                  carry_into, parallel_kwargs)
+from .rendezvous import Rendezvous
+from .world import WorldSwitch
 
 
 class LiveSwitcher:
     """Plans, verifies and runs layout switches of the Megatron job on this process.
 
     Args:
-        spec: the layout the job runs now.
+        spec: the layout the job runs now; None for a spare process (it joins with ``join``).
         device: this process's device (its rank is ``Layout(spec).devices.index(device)``).
         build: builds a fresh job for a spec; called after megatron's parallel state for that
-            spec is initialized, on every process.
+            spec is initialized, on every process of the layout.
         verify: checks a plan against its layouts and raises if it breaks a rule
             (``dynatrain.verify.check.check``).
+        rendezvous: where processes meet to change the world; None: switches keep the devices.
         budget_bytes: staging budget per device of a switch.
         timeout: seconds any one wait for peers may take before a switch aborts.
-        group: the process group of the job (None: the default group).
+        group: the process group of a same-devices job (None: the default group).
         init_kwargs: extra ``initialize_model_parallel`` arguments (e.g.
             ``create_gloo_process_groups``), used for every layout.
 
     Example:
-        >>> sw = LiveSwitcher(spec_a, "node0:gpu3", build, check)  # doctest: +SKIP
+        >>> sw = LiveSwitcher(spec_a, "node0:gpu3", build, check, rendezvous=rdzv)  # doctest: +SKIP
         >>> sw.prepare(spec_b)                      # plans in the background
-        >>> job = sw.switch(job).job                # at an iteration boundary
+        >>> result = sw.switch(job)                 # at an iteration boundary
+        >>> job = result.job                        # None if this device left
     """
 
-    def __init__(self, spec: LayoutSpec, device: str, build: Builder, verify: Verifier, *,
-                 budget_bytes: int = 2 << 30, timeout: float = 60.0,
-                 group: dist.ProcessGroup | None = None, topology: Topology = H100,
-                 init_kwargs: dict | None = None) -> None:
-        self.spec, self.layout = spec, Layout(spec)
-        if device not in self.layout.devices:
+    def __init__(self, spec: LayoutSpec | None, device: str, build: Builder, verify: Verifier,
+                 *, rendezvous: Rendezvous | None = None, budget_bytes: int = 2 << 30,
+                 timeout: float = 60.0, group: dist.ProcessGroup | None = None,
+                 topology: Topology = H100, init_kwargs: dict | None = None) -> None:
+        self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
+        if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
                               " ...)")
+        if spec is None and rendezvous is None:
+            raise LayoutError("a spare process (spec None) needs a rendezvous to join through")
         self.device, self.build, self.verify = device, build, verify
+        self.rendezvous = rendezvous
         self.budget_bytes, self.timeout, self.group = budget_bytes, timeout, group
         self.topology, self.init_kwargs = topology, dict(init_kwargs or {})
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynatrain-plan")
         self._pending: Future[Prepared] | None = None
+        self._generation = 0  # the last switch announced in the rendezvous that this job saw
+        self._open: int | None = None  # announced, neither gone nor cancelled yet
+        self._watch: int | None = None  # a spare's next announcement to look at
 
     @property
-    def rank(self) -> int:
-        return self.layout.devices.index(self.device)
+    def active(self) -> bool:
+        """True while this process runs a rank of the job's layout."""
+        return self.layout is not None
+
+    @property
+    def rank(self) -> int | None:
+        return self.layout.devices.index(self.device) if self.layout is not None else None
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    # ---- prepare -----------------------------------------------------------------------------
 
     def prepare(self, dst_spec: LayoutSpec) -> Future[Prepared]:
-        """Plan and verify the switch to ``dst_spec`` in the background; errors surface in
-        ``switch`` (or from the returned future)."""
+        """Plan and verify the switch to ``dst_spec`` in the background (and announce it to
+        spares); errors surface in ``switch`` (or from the returned future)."""
+        if self.spec is None or self.layout is None:
+            raise DynatrainError(f"{self.device} runs no rank: a spare joins with join()")
         if self._pending is not None and not self._pending.done():
             raise DynatrainError("a switch is already being prepared")
-        self._pending = self._pool.submit(self._prepare, self.layout, dst_spec)
+        generation = None
+        if self.rendezvous is not None:
+            self._cancel_open()
+            generation = self._generation = self._generation + 1
+            if self.leader:
+                self.rendezvous.post(f"switch/{generation}", {
+                    "src": spec_to_dict(self.spec, self.layout.devices),
+                    "dst": spec_to_dict(dst_spec, Layout(dst_spec).devices)})
+                if self.rendezvous.count("latest", 1) != generation:
+                    raise DynatrainError("another job uses this rendezvous prefix")
+            self._open = generation
+        self._pending = self._pool.submit(self._prepare, self.spec, self.layout, dst_spec,
+                                          generation)
         return self._pending
 
     def ready(self) -> bool:
         """True once ``prepare``'s plan is done (or failed)."""
         return self._pending is not None and self._pending.done()
 
-    def _prepare(self, src: Layout, dst_spec: LayoutSpec) -> Prepared:
+    def _prepare(self, src_spec: LayoutSpec, src: Layout, dst_spec: LayoutSpec,
+                 generation: int | None) -> Prepared:
         dst = Layout(dst_spec)
-        _check_world(src, dst)
+        in_place = src.devices == dst.devices and tuple(sorted(src.devices)) == src.devices
+        if not in_place and self.rendezvous is None:
+            raise LayoutError("a switch between different devices (or device orders) needs a "
+                              f"rendezvous: {len(src.devices)} devices ({src.devices[0]}, ...) "
+                              f"-> {len(dst.devices)} ({dst.devices[0]}, ...)")
         t0 = time.perf_counter()
         plan = plan_transition(src, dst, self.budget_bytes, self.topology)
         t1 = time.perf_counter()
         self.verify(plan, src, dst)
         t2 = time.perf_counter()
-        if process_devices(plan) != src.devices:
-            raise LayoutError("the plan's processes are not the job's ranks in order")
         doc = plan_to_json(plan)
         del doc["summary"]  # timings: the only part that differs between processes
         text = json.dumps(doc, sort_keys=True).encode()
-        return Prepared(dst_spec, dst, plan, hashlib.blake2b(text, digest_size=16).digest(),
-                        t1 - t0, t2 - t1)
+        return Prepared(src_spec, src, dst_spec, dst, plan,
+                        hashlib.blake2b(text, digest_size=16).digest(), t1 - t0, t2 - t1,
+                        generation, in_place)
+
+    def _cancel_open(self) -> None:
+        if self._open is not None and self.leader and self.rendezvous is not None:
+            self.rendezvous.post(f"go/{self._open}", {"go": False})
+        self._open = None
+
+    # ---- switch ------------------------------------------------------------------------------
 
     def _agree(self, digest: bytes) -> None:
-        """Every process must have planned the very same switch (a failed plan: zeros)."""
+        """Every process of the job must have planned the very same switch (failed: zeros)."""
         mine = torch.frombuffer(bytearray(digest), dtype=torch.int64)
+        if dist.get_backend(self.group) == "nccl":  # NCCL moves device memory only
+            mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
         world = dist.get_world_size(self.group)
         got = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(got, mine, group=self.group)
@@ -186,37 +203,81 @@ class LiveSwitcher:
             raise DynatrainError(f"{self.device}: the processes planned different switches")
 
     def switch(self, job: MegatronJob) -> SwitchResult:
-        """Run the prepared switch on ``job`` (every process, at an iteration boundary).
+        """Run the prepared switch on ``job`` (every process of the job, at an iteration
+        boundary; processes that join call ``join``).
 
         Returns the destination job (fresh model chunks and optimizer holding the switched
-        state, the scheduler state and iteration carried over); this switcher then runs the
-        destination layout. On any error the old job and layout stay usable.
+        state, the scheduler state, iteration and consumed samples carried over), or, on a
+        process whose device left, a result with ``job`` None. This switcher then runs the
+        destination layout (or is a spare).
 
         Raises:
-            DynatrainError: nothing was prepared, or planning/verification failed.
-            SwitchAborted: the exchange aborted; the job is untouched.
+            SwitchFailed: on every process; ``.job`` is the job to keep training in the source
+                layout (see the module docstring); its cause is the first error.
         """
-        from megatron.core import parallel_state as ps
-
+        if self.spec is None or self.layout is None:
+            raise DynatrainError(f"{self.device} runs no rank: a spare joins with join()")
         if self._pending is None:
             raise DynatrainError("switch() needs a prepare(dst_spec) first")
         t = [time.perf_counter()]
         try:
             prep, failure = self._pending.result(), None
+            if dist.get_world_size(self.group) != self.layout.world or \
+                    dist.get_rank(self.group) != self.rank:
+                raise LayoutError(f"{self.device} is rank {dist.get_rank(self.group)} of "
+                                  f"{dist.get_world_size(self.group)} processes; the layout "
+                                  f"wants rank {self.rank} of {self.layout.world}")
+            src_view, _ = transition_views(self.layout, prep.dst)
+            src = extract_state(src_view, self.rank, job.model_chunks, job.optimizer)
         except Exception as err:  # noqa: BLE001 — raised below, once every process knows
             prep, failure = None, err
-        self._agree(bytes(16) if prep is None else prep.digest)
+        try:
+            self._agree(bytes(16) if prep is None else prep.digest)
+        except Exception as err:  # noqa: BLE001
+            failure = failure or err
         if failure is not None:
-            raise failure
+            self._cancel_open()
+            if prep is None or not prep.in_place:
+                self._pending = None
+            raise SwitchFailed(f"{self.device}: the switch did not start ({type(failure).__name__}:"
+                               f" {failure}); the job is untouched", job) from failure
         assert prep is not None
         t.append(time.perf_counter())
-        # The plan's views: both carry the vocab padding rows the two layouts share.
+        if not prep.in_place:
+            assert self.rendezvous is not None and prep.generation is not None
+            carry = carried(job)
+            if self.leader:
+                self.rendezvous.post(f"go/{prep.generation}", {"go": True, "carry": carry})
+            self._open = None
+            world = WorldSwitch(self, prep, self.device, self.rendezvous)
+            try:
+                result = world.run(job, src, carry, t)
+            except SwitchFailed:
+                self._pending = None  # its generation is spent: prepare again to retry
+                raise
+            self._after(prep, result.role)
+            return result
+        self._open = None
+        return self._switch_in_place(job, prep, src, t)
+
+    def _switch_in_place(self, job: MegatronJob, prep: Prepared, src: dict,
+                         t: list[float]) -> SwitchResult:
+        from megatron.core import parallel_state as ps
+
         src_view, dst_view = transition_views(self.layout, prep.dst)
-        src = extract_state(src_view, self.rank, job.model_chunks, job.optimizer)
-        scheduler = job.scheduler.state_dict() if job.scheduler is not None else None
+        scheduler = carried(job)
         t.append(time.perf_counter())
-        dst, report = switch(prep.plan, src_view, dst_view, self.device, src, self.group,
-                             timeout=self.timeout)
+        try:
+            dst, report = switch(prep.plan, src_view, dst_view, self.device, src, self.group,
+                                 timeout=self.timeout)
+        except SwitchAborted as err:
+            if not err.group_destroyed:
+                raise SwitchFailed(f"{err}; the job trains on", job) from err
+            if self.rendezvous is None or prep.generation is None:
+                raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
+                                   "formed again: restart from a checkpoint", None) from err
+            world = WorldSwitch(self, prep, self.device, self.rendezvous)
+            world.roll_back(job, scheduler, err)  # raises SwitchFailed with the rebuilt job
         del src
         t.append(time.perf_counter())
         try:
@@ -226,18 +287,91 @@ class LiveSwitcher:
             new = self.build(prep.dst_spec)
             t.append(time.perf_counter())
             install_state(dst_view, self.rank, new.model_chunks, new.optimizer, dst)
-            if scheduler is not None:
-                if new.scheduler is None:
-                    raise LayoutError("the job has an LR scheduler, the built one has none")
-                new.scheduler.load_state_dict(scheduler)
-            new.iteration = job.iteration
-        except BaseException:
+            carry_into(new, scheduler)
+        except Exception as err:  # noqa: BLE001 — the old groups are intact: train on in them
             ps.destroy_model_parallel()
             ps.initialize_model_parallel(**parallel_kwargs(self.spec), **self.init_kwargs)
-            raise
+            raise SwitchFailed(f"{self.device}: building the destination failed "
+                               f"({type(err).__name__}: {err}); back in the source layout",
+                               job) from err
         t.append(time.perf_counter())
-        self.spec, self.layout, self._pending = prep.dst_spec, prep.dst, None
+        self._after(prep, "stayed")
         names = ("agree", "extract", "exchange", "parallel_state", "build", "install")
         seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
-        seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds)
-        return SwitchResult(new, report, seconds)
+        seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
+                       downtime=t[-1] - t[0])
+        return SwitchResult(new, report, seconds, "stayed", prep.generation)
+
+    def _after(self, prep: Prepared, role: str) -> None:
+        self._pending = None
+        if role == "left":
+            self.spec = self.layout = None
+            self._watch = (prep.generation or 0) + 1
+        else:
+            self.spec, self.layout = prep.dst_spec, prep.dst
+        if prep.generation is not None:
+            self._generation = prep.generation
+
+    # ---- spares ------------------------------------------------------------------------------
+
+    def join(self, timeout: float | None = None) -> SwitchResult | None:
+        """Wait (a spare process) for a switch that takes this device in, and take part.
+
+        Returns the destination job (``role == "joined"``), or None once the job ``close``d.
+        Announced switches that do not name this device, or are cancelled, are skipped.
+
+        Raises:
+            SwitchFailed: the switch this process took part in failed (``job`` None); call
+                ``join`` again to wait for the next one.
+            RendezvousTimeout: nothing came within ``timeout`` seconds.
+        """
+        rdzv = self.rendezvous
+        if self.active or rdzv is None:
+            raise DynatrainError(f"{self.device} runs a rank: only spares join")
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        g = self._watch if self._watch is not None else self._first_watch(rdzv)
+        while True:
+            doc = rdzv.wait(f"switch/{g}", left(), unless="closed")
+            if doc is None:
+                return None
+            src_spec, dst_spec = spec_from_dict(doc["src"]), spec_from_dict(doc["dst"])
+            src, dst = Layout(src_spec), Layout(dst_spec)
+            if self.device not in dst.devices or self.device in src.devices:
+                g += 1
+                continue
+            try:
+                prep, failure = self._prepare(src_spec, src, dst_spec, g), None
+            except Exception as err:  # noqa: BLE001 — the switch still needs this process
+                prep, failure = None, err
+            go = rdzv.wait(f"go/{g}", left(), unless="closed")
+            if go is None:
+                return None
+            self._watch = g + 1
+            if not go["go"]:
+                g += 1
+                continue
+            world = WorldSwitch(self, prep, self.device, rdzv, src=src, generation=g)
+            result = world.run(None, None, go["carry"], [time.perf_counter()], failure)
+            assert prep is not None
+            self._after(prep, result.role)
+            return result
+
+    def _first_watch(self, rdzv: Rendezvous) -> int:
+        """A process new to the job looks at the latest announcement unless it is over."""
+        g = rdzv.count("latest")
+        if g == 0:
+            return 1
+        go = rdzv.read(f"go/{g}")
+        over = rdzv.has(f"done/{g}") or (go is not None and not go["go"])
+        return g + 1 if over else g
+
+    def close(self) -> None:
+        """End the job for its spares: their ``join`` returns None (call on every process)."""
+        if self.leader and self.rendezvous is not None:
+            self._cancel_open()
+            self.rendezvous.post("closed", {})
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,107 @@
+"""The records a live switch passes around: the job a training loop holds, a prepared switch,
+what a switch returns, and the error it raises when it did not happen."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...ir.errors import DynatrainError
+from ...ir.layout import Layout
+from ...ir.spec import LayoutSpec
+from ...planner.plan import Plan
+
+
+@dataclass
+class MegatronJob:
+    """What a training loop holds between iterations, for one rank.
+
+    ``iteration`` and ``consumed_samples`` (the global sample count the data pipeline resumes
+    from) and the scheduler's state are carried across a switch to the destination job, also
+    to processes that join it.
+    """
+
+    model_chunks: list  # per virtual pipeline chunk (DDP-wrapped, as megatron trains them)
+    optimizer: Any  # what get_megatron_optimizer returned
+    scheduler: Any = None  # megatron's OptimizerParamScheduler (state_dict/load_state_dict)
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+Builder = Callable[[LayoutSpec], MegatronJob]  # build a fresh job in the current parallel state
+Verifier = Callable[[Plan, Layout, Layout], object]  # raises if the plan breaks a rule
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A planned and verified switch."""
+
+    src_spec: LayoutSpec
+    src: Layout
+    dst_spec: LayoutSpec
+    dst: Layout
+    plan: Plan
+    digest: bytes  # blake2b of the plan's canonical JSON, its summary (timings) left out
+    plan_seconds: float
+    verify_seconds: float
+    generation: int | None  # the switch's number in the rendezvous (None: no rendezvous)
+    in_place: bool  # same devices in the same, sorted order: the job's group runs the switch
+
+
+@dataclass
+class SwitchResult:
+    """What a committed switch gives this process.
+
+    ``role`` is ``"stayed"`` (a process of both layouts), ``"joined"`` (a spare or newly
+    started process that runs a destination rank now) or ``"left"`` (its device is not in the
+    destination: ``job`` is None and the process may idle as a spare, ``LiveSwitcher.join``,
+    or exit).
+    """
+
+    job: MegatronJob | None
+    report: dict  # executor.switch's report
+    seconds: dict[str, float] = field(default_factory=dict)
+    role: str = "stayed"
+    generation: int | None = None
+
+
+class SwitchFailed(DynatrainError):
+    """A switch did not happen; every process is back in the source layout.
+
+    Attributes:
+        job: the job to train on: the job passed to ``switch`` when its process groups
+            survived, else a job rebuilt in re-formed groups with the very same state
+            (bit for bit); None on a process that runs no source rank (a joiner) or when
+            the source layout could not be re-formed (a source process is gone).
+    """
+
+    def __init__(self, message: str, job: MegatronJob | None) -> None:
+        self.job = job
+        super().__init__(message)
+
+
+def parallel_kwargs(spec: LayoutSpec) -> dict:
+    """``parallel_state.initialize_model_parallel`` arguments of a spec's layout."""
+    p = spec.parallel
+    return dict(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+                virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
+                expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.expert_tp,
+                num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
+                order=p.order)
+
+
+def carried(job: MegatronJob) -> dict:
+    """What a switch carries besides the state: iteration, samples, the scheduler (JSON)."""
+    return {"iteration": job.iteration, "consumed_samples": job.consumed_samples,
+            "scheduler": job.scheduler.state_dict() if job.scheduler is not None else None}
+
+
+def carry_into(job: MegatronJob, carry: dict) -> None:
+    """Give a freshly built ``job`` what ``carried`` took from the old one."""
+    if carry["scheduler"] is not None:
+        if job.scheduler is None:
+            raise DynatrainError("the job has an LR scheduler, the built one has none")
+        job.scheduler.load_state_dict(carry["scheduler"])
+    job.iteration = int(carry["iteration"])
+    job.consumed_samples = int(carry["consumed_samples"])

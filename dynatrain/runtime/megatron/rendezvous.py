@@ -1,0 +1,149 @@
+"""Where the processes of a job, and those that may join it, meet: a key-value store they all
+reach, used to form process groups and to publish switches.
+
+A ``Rendezvous`` wraps a ``torch.distributed`` store that every process of the job can reach,
+spare and late-starting processes included: under ``torchrun`` the agent's own TCPStore
+(``TCPStore(MASTER_ADDR, MASTER_PORT, is_master=False)``), on one machine a ``FileStore``, on a
+cluster any TCPStore that outlives the processes. Everything dynatrain writes lives under
+``prefix/``:
+
+* ``form(name, devices, device)`` makes the default process group the processes of
+  ``devices`` (rank = position in ``devices``), destroying the one this process had. Each
+  ``name`` is used once per job: its keys are the group's rendezvous.
+* ``post``/``read``/``wait`` publish and read small JSON documents (switch announcements;
+  never pickle, so a process reads nothing but data from the store).
+* ``vote(name, devices, device, outcome)`` is a commit vote through the store, not through a
+  process group, so it still works while processes move between groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from ...ir.errors import DynatrainError
+
+
+class RendezvousTimeout(DynatrainError):
+    """A wait on the rendezvous store did not complete in time."""
+
+
+class Rendezvous:
+    """A store every process of the job reaches, the backend its groups use, and a prefix.
+
+    Args:
+        store: a ``torch.distributed`` Store shared by all processes (TCPStore, FileStore).
+        backend: the backend of every process group formed (``"nccl"``, ``"gloo"``).
+        prefix: the namespace of this job's keys in the store.
+        timeout: seconds a group formation or a wait for peers may take (read at each call);
+            ``form`` sets it as the store's timeout (gloo's connection setup waits on it).
+        init_kwargs: extra ``init_process_group`` arguments (e.g. ``device_id`` for NCCL).
+
+    Example:
+        >>> store = dist.TCPStore(host, port, is_master=False)  # doctest: +SKIP
+        >>> rdzv = Rendezvous(store, "nccl", timeout=120)
+        >>> rdzv.form("start", layout.devices, "node0:gpu3")
+    """
+
+    def __init__(self, store: dist.Store, backend: str, *, prefix: str = "dynatrain",
+                 timeout: float = 60.0, init_kwargs: dict | None = None) -> None:
+        self.backend, self.prefix, self.timeout = backend, prefix.rstrip("/"), timeout
+        self.init_kwargs = dict(init_kwargs or {})
+        self.store = dist.PrefixStore(self.prefix + "/", store)
+
+    def __repr__(self) -> str:
+        return f"Rendezvous({self.backend!r}, prefix={self.prefix!r}, timeout={self.timeout})"
+
+    # ---- process groups ----------------------------------------------------------------------
+
+    def form(self, name: str, devices: Sequence[str], device: str) -> None:
+        """Make the default process group exactly the processes of ``devices``.
+
+        Every process of ``devices`` calls it with the same ``name`` (fresh for each group);
+        this process becomes rank ``devices.index(device)``. A default group this process
+        had is destroyed first (with every group made from it).
+
+        Raises:
+            ValueError: ``device`` is not in ``devices``.
+            RuntimeError: (from torch) a peer did not arrive within the timeout.
+        """
+        if device not in devices:
+            raise ValueError(f"{device} is not one of the {len(devices)} devices of group "
+                             f"{name!r}")
+        self.leave()
+        td = datetime.timedelta(seconds=self.timeout)
+        self.store.set_timeout(td)
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{name}/", self.store),
+                                rank=list(devices).index(device), world_size=len(devices),
+                                timeout=td,
+                                **self.init_kwargs)
+
+    @staticmethod
+    def leave() -> None:
+        """Destroy this process's default group (and all groups made from it), if any."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- documents ---------------------------------------------------------------------------
+
+    def post(self, key: str, doc: dict) -> None:
+        """Publish a JSON document under ``key``."""
+        self.store.set(key, json.dumps(doc, sort_keys=True))
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def read(self, key: str) -> dict | None:
+        """The document under ``key``, or None if there is none yet (does not wait)."""
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def wait(self, key: str, timeout: float | None = None, *,
+             unless: str | None = None, poll: float = 0.05) -> dict | None:
+        """The document under ``key`` once it exists; None if ``unless`` appears first.
+
+        Polls the store, from every millisecond up to every ``poll`` seconds.
+
+        Raises:
+            RendezvousTimeout: neither appeared within ``timeout`` seconds (None: wait on).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.001
+        while True:
+            if self.store.check([key]):
+                return json.loads(self.store.get(key))
+            if unless is not None and self.store.check([unless]):
+                return None
+            if deadline is not None and time.monotonic() > deadline:
+                raise RendezvousTimeout(f"{key!r} did not appear in the store within "
+                                        f"{timeout:.1f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, poll)
+
+    def count(self, key: str, add: int = 0) -> int:
+        """Atomically add ``add`` to the counter ``key``; its new value."""
+        return int(self.store.add(key, add))
+
+    def vote(self, name: str, devices: Sequence[str], device: str, outcome: str,
+             timeout: float | None = None) -> dict[str, str | None]:
+        """Post this process's ``outcome`` ("ok" or why not) and wait for every device's.
+
+        Returns every device's outcome; None for a device that did not vote in time (then the
+        wait stopped at ``timeout``, default the rendezvous timeout).
+        """
+        self.post(f"{name}/{device}", {"outcome": outcome})
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        out: dict[str, str | None] = {}
+        for d in devices:
+            try:
+                doc = self.wait(f"{name}/{d}", max(deadline - time.monotonic(), 0.0))
+                out[d] = None if doc is None else str(doc["outcome"])
+            except RendezvousTimeout:
+                out[d] = None
+        return out
+
+
+__all__ = ["Rendezvous", "RendezvousTimeout"]

@@ -1,0 +1,159 @@
+"""The part of a live switch that changes the world: the processes of both layouts meet in one
+default group, run the plan, and the destination's processes form the destination's group;
+a failure anywhere forms the source's group again and rebuilds the source job from its intact
+state. ``LiveSwitcher`` (``live.py``) drives it; the protocol is described there."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ...ir.errors import DynatrainError
+from ...ir.layout import Layout
+from ...ir.spec import LayoutSpec
+from ...ir.state import transition_views, view_of
+from ..executor import process_devices, switch
+from .bridge import extract_state, install_state
+from .job import MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, parallel_kwargs
+from .rendezvous import Rendezvous
+
+if TYPE_CHECKING:
+    from .live import LiveSwitcher
+
+
+def _why(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {first}"
+
+
+class WorldSwitch:
+    """One world-changing switch, seen from one process (a source, a joiner or both)."""
+
+    def __init__(self, sw: LiveSwitcher, prep: Prepared | None, device: str, rdzv: Rendezvous,
+                 *, src: Layout | None = None, generation: int | None = None) -> None:
+        self.sw, self.prep, self.device, self.rdzv = sw, prep, device, rdzv
+        self.src = prep.src if prep is not None else src
+        self.g = prep.generation if prep is not None else generation
+        assert self.src is not None and self.g is not None
+        self.src_spec: LayoutSpec | None = prep.src_spec if prep is not None else None
+        self.src_rank = (self.src.devices.index(device) if device in self.src.devices
+                         else None)
+
+    def _ps(self):
+        from megatron.core import parallel_state as ps
+
+        return ps
+
+    def run(self, job: MegatronJob | None, src_store: dict | None, carry: dict,
+            t: list[float], failure: BaseException | None = None) -> SwitchResult:
+        """Take part in the switch: ``job``/``src_store`` on a source process (None on a
+        joiner), ``carry`` what the job carries, ``failure`` a planning error of a joiner."""
+        ps, prep, g, rdzv = self._ps(), self.prep, self.g, self.rdzv
+        seconds: dict[str, float] = {"agree": t[-1] - t[0]} if len(t) > 1 else {}
+        mark = [time.perf_counter()]
+
+        def lap(name: str) -> None:
+            mark.append(time.perf_counter())
+            seconds[name] = mark[-1] - mark[-2]
+
+        try:
+            if prep is None:
+                # A joiner that could not plan still meets the others, so they learn it now.
+                dst_devices = ()
+                union = self._union_without_plan()
+            else:
+                dst_devices = prep.dst.devices
+                union = process_devices(prep.plan)
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            rdzv.form(f"g{g}/switch", union, self.device)
+            lap("switch_group")
+            digest = prep.digest.hex() if prep is not None else f"failed: {_why(failure)}"
+            votes = rdzv.vote(f"g{g}/plan", union, self.device, digest)
+            if failure is not None:
+                raise failure
+            assert prep is not None
+            if any(v != digest for v in votes.values()):
+                odd = {d: v for d, v in votes.items() if v != digest}
+                raise DynatrainError(f"{self.device}: the processes planned different switches "
+                                     f"({len(odd)} differ, e.g. {next(iter(odd.items()))})")
+            lap("plan_vote")
+            src_view, dst_view = transition_views(prep.src, prep.dst)
+            dst_store, report = switch(prep.plan, src_view, dst_view, self.device, src_store,
+                                       None, timeout=self.sw.timeout)
+            src_store = None
+            lap("exchange")
+            rdzv.leave()
+            new, outcome, error = None, "ok", None
+            if self.device in dst_devices:
+                try:
+                    new = self._build(prep, dst_view, dst_store, carry, lap)
+                except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
+                    outcome, error = _why(err), err
+            del dst_store
+            votes = rdzv.vote(f"g{g}/commit", union, self.device, outcome)
+            lap("commit_vote")
+            bad = {d: (v or "no vote") for d, v in votes.items() if v != "ok"}
+            if bad:
+                d, why = ((self.device, outcome) if outcome != "ok"
+                          else next(iter(bad.items())))
+                raise DynatrainError(f"the switch was voted down by {len(bad)} process(es), "
+                                     f"e.g. {d}: {why}") from error
+        except Exception as err:  # noqa: BLE001 — every failure rolls back
+            self.roll_back(job, carry, err)
+        if union.index(self.device) == 0:
+            rdzv.post(f"done/{g}", {"outcome": "committed"})
+        role = ("left" if new is None else "stayed" if self.src_rank is not None else "joined")
+        seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
+                       downtime=time.perf_counter() - t[0])
+        return SwitchResult(new, report, seconds, role, g)
+
+    def _union_without_plan(self) -> tuple[str, ...]:
+        doc = self.rdzv.read(f"switch/{self.g}")
+        if doc is None:
+            raise DynatrainError(f"switch {self.g} is not announced")
+        from ...ir.loader import spec_from_dict
+
+        dst = Layout(spec_from_dict(doc["dst"]))
+        return tuple(sorted(set(self.src.devices) | set(dst.devices)))
+
+    def _build(self, prep: Prepared, dst_view: Any, dst_store: dict, carry: dict,
+               lap) -> MegatronJob:
+        ps, sw = self._ps(), self.sw
+        self.rdzv.form(f"g{self.g}/dst", prep.dst.devices, self.device)
+        lap("dst_group")
+        ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **sw.init_kwargs)
+        lap("parallel_state")
+        new = sw.build(prep.dst_spec)
+        lap("build")
+        install_state(dst_view, prep.dst.devices.index(self.device), new.model_chunks,
+                      new.optimizer, dst_store)
+        carry_into(new, carry)
+        lap("install")
+        return new
+
+    def roll_back(self, job: MegatronJob | None, carry: dict, cause: BaseException) -> None:
+        """Back to the source layout, then raise ``SwitchFailed``: on a source process, form
+        the source's group again and rebuild the job from the old job's intact state."""
+        ps, sw, g = self._ps(), self.sw, self.g
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        self.rdzv.leave()
+        what = f"{self.device}: the switch failed ({_why(cause)})"
+        if job is None or self.src_rank is None or self.src_spec is None:
+            raise SwitchFailed(f"{what}; this process runs no source rank", None) from cause
+        try:
+            self.rdzv.form(f"g{g}/rollback", self.src.devices, self.device)
+            ps.initialize_model_parallel(**parallel_kwargs(self.src_spec), **sw.init_kwargs)
+            restored = sw.build(self.src_spec)
+            full = view_of(self.src)
+            state = extract_state(full, self.src_rank, job.model_chunks, job.optimizer)
+            install_state(full, self.src_rank, restored.model_chunks, restored.optimizer, state)
+            carry_into(restored, carry)
+        except Exception as err:  # noqa: BLE001
+            raise SwitchFailed(f"{what}, and the source layout could not be formed again "
+                               f"({_why(err)}): restart from a checkpoint", None) from cause
+        if self.src_rank == 0:
+            self.rdzv.post(f"done/{g}", {"outcome": "rolled back"})
+        raise SwitchFailed(f"{what}; rolled back: the job trains on in the source layout, "
+                           "rebuilt in new process groups", restored) from cause

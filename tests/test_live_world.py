@@ -1,0 +1,192 @@
+"""World shrink and grow of a live megatron-core job, checked against megatron's own
+dist-checkpoint reload.
+
+Forked processes (``megatron_support.elastic``) meet through a ``Rendezvous`` on one store. The
+job trains in A = TP2·DP2 on four devices, then (every switch planned while the job runs):
+
+1. shrinks to B = TP2·DP1 on gpu0-1: gpu2 leaves and idles as a spare, gpu3 leaves and exits;
+   a fresh process for gpu3 is started afterwards (it reaches the job only through the store);
+2. tries to grow to TP1·DP4 on gpu0-1 + gpu4-5, whose processes never come: the switch group
+   never forms, the sources roll back (groups formed again, job rebuilt);
+3. tries to grow to C = PP2·VPP2·DP2 on gpu0-3 while the destination build fails on the fresh
+   gpu3: the commit vote fails after the exchange, everyone rolls back, the joiners' ``join``
+   fails and they wait again;
+4. grows to C with the spare (gpu2) and the fresh process (gpu3).
+
+After each committed switch every destination process holds, bit for bit, what a fresh job of
+the destination loads from megatron's dist-checkpoint of the source (model, DDP buffers,
+DistributedOptimizer state, step, lr/wd, iteration, samples), and one more iteration gives
+both the same losses and state. After each rollback the job equals its state before the switch
+bit for bit and evaluates the next batch to the same loss. The global batch stays 8 samples:
+micro-batches per rank go 4 (DP2) -> 8 (DP1) -> 4 (DP2); A -> B changes only DP, so the next
+batch's loss before (A) and after (B) may differ only in summation order.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from dynatrain.ir.loader import spec_from_dict
+from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous, SwitchFailed, SwitchResult)
+from dynatrain.verify.check import check
+from matrix import case, to_harness_cfg, to_spec, to_spec_dict
+from megatron_support import elastic, live
+
+MODEL = dict(num_layers=4, num_query_groups=2, swiglu=True, vocab_size=200)
+CASES = {"a": case("a", 4, tp=2, **MODEL), "b": case("b", 2, tp=2, **MODEL),
+         "c": case("c", 4, pp=2, vpp=2, **MODEL), "dp4": case("dp4", 4, **MODEL)}
+SPECS = {k: to_spec(c) for k, c in CASES.items()}
+_doc = to_spec_dict(CASES["dp4"])
+_doc["world"] = {"devices": ["node0:gpu0", "node0:gpu1", "node0:gpu4", "node0:gpu5"]}
+SPECS["dp4"] = spec_from_dict(_doc)
+# (destination, what happens): the schedule every process follows
+SCHEDULE = [("b", "commit"), ("dp4", "missing"), ("c", "build fails"), ("c", "commit")]
+GLOBAL_BATCH = 8
+TIMEOUT = 20.0
+MISSING_TIMEOUT = 2.0  # how long the switch group waits for gpu4-5
+DEV = [f"node0:gpu{i}" for i in range(4)]
+
+
+def _worker(device: str, fresh: bool, ckpt: str):
+    configs = {s.name: live.resolve(to_harness_cfg(CASES[k])) for k, s in SPECS.items()}
+
+    def fn(store) -> dict:
+        rdzv = Rendezvous(store, "gloo", prefix="job", timeout=TIMEOUT)
+        tr = elastic.Trainer(configs, GLOBAL_BATCH)
+        fail_build = {"on": fresh}  # the fresh process's first build of C fails
+
+        def build(spec):
+            job = tr.build(spec)
+            if fail_build["on"] and spec.name == "c":
+                # At the end: a build that fails inside its collectives (the tied embedding's
+                # all-reduce) fails its peers too, but only at their timeout.
+                fail_build["on"] = False
+                raise RuntimeError("injected build failure")
+            return job
+
+        out: dict = {"device": device, "events": []}
+        kw = dict(rendezvous=rdzv, timeout=TIMEOUT,
+                  init_kwargs=dict(create_gloo_process_groups=False))
+        if device in DEV and not fresh:
+            rdzv.form("start", DEV, device)
+            live.init_parallel(configs["a"])
+            job = tr.build(SPECS["a"])
+            for _ in range(2):
+                tr.step(job)
+            sw = LiveSwitcher(SPECS["a"], device, build, check, **kw)
+            step = 0
+        else:
+            sw, job, step = LiveSwitcher(None, device, build, check, **kw), None, None
+
+        while True:
+            if job is None:  # a spare
+                try:
+                    res = sw.join()
+                except SwitchFailed as e:
+                    out["events"].append(("join failed", str(e)))
+                    continue
+                if res is None:
+                    out["events"].append(("closed",))
+                    return out
+                job, step = res.job, res.generation - 1
+                out["events"].append(_checked(tr, res, SPECS[SCHEDULE[step][0]], ckpt, step))
+                step += 1
+                continue
+            if step == len(SCHEDULE):
+                out["final"] = tr.step(job)
+                sw.close()
+                return out
+            name, what = SCHEDULE[step]
+            sw.prepare(SPECS[name]).result()
+            path = os.path.join(ckpt, str(step))
+            tr.save(job, path)
+            before = tr.state(job)
+            eval_before = tr.step(job, forward_only=True)
+            rdzv.timeout = MISSING_TIMEOUT if what == "missing" else TIMEOUT
+            if device == "node0:gpu1" and step == 0:
+                elastic.trigger(store, "fresh-gpu3")  # start it while the job switches
+            try:
+                res = sw.switch(job)
+            except SwitchFailed as e:
+                rdzv.timeout = TIMEOUT
+                restored = e.job
+                out["events"].append({
+                    "step": step, "rolled_back": str(e), "same_object": restored is job,
+                    "diffs": live.native_diffs(before, tr.state(restored)),
+                    "eval": (eval_before, tr.step(restored, forward_only=True))})
+                job, step = restored, step + 1
+                continue
+            rdzv.timeout = TIMEOUT
+            if res.role == "left":
+                out["events"].append({"step": step, "left": True, "seconds": res.seconds})
+                if device == "node0:gpu3":
+                    return out  # leaves and exits
+                job, step = None, None  # idles as a spare
+                continue
+            event = _checked(tr, res, SPECS[name], ckpt, step)
+            event["eval_before"] = eval_before
+            out["events"].append(event)
+            job, step = res.job, step + 1
+
+    return fn
+
+
+def _checked(tr, res: SwitchResult, spec, ckpt: str, step: int) -> dict:
+    """The switched job against a fresh job loaded from the source's dist-checkpoint."""
+    ref = tr.reference(spec, os.path.join(ckpt, str(step)))
+    ev = {"step": step, "role": res.role, "seconds": res.seconds,
+          "bytes_received": res.report["bytes_received"],
+          "pre": live.native_diffs(tr.state(ref), tr.state(res.job)),
+          "n_state": len(tr.state(ref)),
+          "eval_after": tr.step(res.job, forward_only=True)}
+    ev["losses"] = (tr.step(res.job), tr.step(ref))
+    ev["post"] = live.native_diffs(tr.state(ref), tr.state(res.job))
+    return ev
+
+
+def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
+    with tempfile.TemporaryDirectory(prefix="live_world_ckpt_") as ckpt:
+        fns = {d: _worker(d, False, ckpt) for d in DEV}
+        got = elastic.run_processes(
+            fns, late={"fresh-gpu3": ("fresh-gpu3", _worker("node0:gpu3", True, ckpt))})
+    ev = {name: r["events"] for name, r in got.items()}
+
+    # 1. shrink: gpu0-1 stay and equal the checkpoint reload; gpu2 (spare) and gpu3 leave.
+    for d in DEV[:2]:
+        e = ev[d][0]
+        assert e["role"] == "stayed" and e["pre"] == [] and e["post"] == [], (d, e)
+        assert e["losses"][0]["losses"] == e["losses"][1]["losses"]
+        # Only DP changed: the same 8 samples give the same loss up to summation order.
+        before, after = e["eval_before"]["global_loss"], e["eval_after"]["global_loss"]
+        assert abs(before - after) <= 1e-12 * abs(before), (before, after)
+        assert (e["eval_before"]["micro_batches"], e["eval_after"]["micro_batches"]) == (4, 8)
+    assert ev["node0:gpu3"] == [ev["node0:gpu3"][0]] and ev["node0:gpu3"][0]["left"]
+    assert ev["node0:gpu2"][0]["left"]
+
+    # 2. gpu4-5 never come: the sources roll back.
+    # 3. the build fails on the fresh gpu3: everyone rolls back after the exchange.
+    for d in DEV[:2]:
+        for e in ev[d][1:3]:
+            assert "rolled back" in e["rolled_back"] and not e["same_object"], (d, e)
+            assert e["diffs"] == [], (d, e["diffs"][:5])
+            assert e["eval"][0]["losses"] == e["eval"][1]["losses"]
+    assert ev["node0:gpu2"][1][0] == "join failed"
+    assert ev["fresh-gpu3"][0][0] == "join failed"
+    assert "injected build failure" in ev["fresh-gpu3"][0][1]
+
+    # 4. grow: stayed (gpu0-1), joined from a spare (gpu2) and freshly started (gpu3).
+    final = {"node0:gpu0": ev["node0:gpu0"][3], "node0:gpu1": ev["node0:gpu1"][3],
+             "node0:gpu2": ev["node0:gpu2"][2], "node0:gpu3": ev["fresh-gpu3"][1]}
+    roles = {d: e["role"] for d, e in final.items()}
+    assert roles == {"node0:gpu0": "stayed", "node0:gpu1": "stayed", "node0:gpu2": "joined",
+                     "node0:gpu3": "joined"}
+    for d, e in final.items():
+        assert e["pre"] == [] and e["post"] == [], (d, e["pre"][:5], e["post"][:5])
+        assert e["n_state"] > 10
+        assert e["losses"][0]["losses"] == e["losses"][1]["losses"]
+        assert e["eval_after"]["micro_batches"] == 4
+    assert sum(e["bytes_received"] for e in final.values()) > 0
+    assert ev["node0:gpu2"][-1] == ("closed",) or "final" in got["node0:gpu2"]
+    assert all("final" in got[n] for n in ("node0:gpu0", "node0:gpu1", "node0:gpu2",
+                                           "fresh-gpu3"))

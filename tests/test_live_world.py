@@ -20,45 +20,84 @@ both the same losses and state. After each rollback the job equals its state bef
 bit for bit and evaluates the next batch to the same loss. The global batch stays 8 samples:
 micro-batches per rank go 4 (DP2) -> 8 (DP1) -> 4 (DP2); A -> B changes only DP, so the next
 batch's loss before (A) and after (B) may differ only in summation order.
+
+A second run switches a MoE job with the router's expert_bias across EP and ETP changes:
+EP2·ETP2 on four devices -> EP2·ETP1 on two (gpu2-3 exit) -> EP4 on four, gpu2-3 being freshly
+started processes. VPP jobs run with Megatron-LM's p2p defaults (``elastic.megatron_lm_config``).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 
 from dynatrain.ir.loader import spec_from_dict
 from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous, SwitchFailed, SwitchResult)
 from dynatrain.verify.check import check
-from matrix import case, to_harness_cfg, to_spec, to_spec_dict
+from matrix import MOE, case, to_harness_cfg, to_spec, to_spec_dict
 from megatron_support import elastic, live
 
 MODEL = dict(num_layers=4, num_query_groups=2, swiglu=True, vocab_size=200)
-CASES = {"a": case("a", 4, tp=2, **MODEL), "b": case("b", 2, tp=2, **MODEL),
-         "c": case("c", 4, pp=2, vpp=2, **MODEL), "dp4": case("dp4", 4, **MODEL)}
-SPECS = {k: to_spec(c) for k, c in CASES.items()}
-_doc = to_spec_dict(CASES["dp4"])
-_doc["world"] = {"devices": ["node0:gpu0", "node0:gpu1", "node0:gpu4", "node0:gpu5"]}
-SPECS["dp4"] = spec_from_dict(_doc)
-# (destination, what happens): the schedule every process follows
-SCHEDULE = [("b", "commit"), ("dp4", "missing"), ("c", "build fails"), ("c", "commit")]
-GLOBAL_BATCH = 8
+MOE_MODEL = dict(num_layers=2, swiglu=True, vocab_size=200, **MOE, **live.EXPERT_BIAS)
 TIMEOUT = 20.0
-MISSING_TIMEOUT = 2.0  # how long the switch group waits for gpu4-5
+MISSING_TIMEOUT = 2.0  # how long the switch group waits for processes that never come
 DEV = [f"node0:gpu{i}" for i in range(4)]
 
 
-def _worker(device: str, fresh: bool, ckpt: str):
-    configs = {s.name: live.resolve(to_harness_cfg(CASES[k])) for k, s in SPECS.items()}
+@dataclass
+class Scenario:
+    """Layouts (the first one is where the job starts, on ``DEV``), the switches every process
+    follows (destination, what happens), the devices whose processes exit when they leave
+    (the others idle as spares) and the fresh processes started when the first switch runs."""
+
+    cases: dict[str, dict]
+    schedule: list[tuple[str, str]]
+    exit_on_leave: tuple[str, ...]
+    fresh: tuple[str, ...]
+    fail_fresh_build: str | None = None  # a fresh process's first build of this layout fails
+    global_batch: int = 8
+
+    def specs(self) -> dict:
+        out = {k: to_spec(c) for k, c in self.cases.items()}
+        for k, c in self.cases.items():
+            if "devices" in c:  # an explicit device list
+                doc = to_spec_dict({n: v for n, v in c.items() if n != "devices"})
+                doc["world"] = {"devices": c["devices"]}
+                out[k] = spec_from_dict(doc)
+        return out
+
+
+DENSE = Scenario(
+    cases={"a": case("a", 4, tp=2, **MODEL), "b": case("b", 2, tp=2, **MODEL),
+           "c": case("c", 4, pp=2, vpp=2, **MODEL),
+           "dp4": dict(case("dp4", 4, **MODEL), devices=["node0:gpu0", "node0:gpu1",
+                                                         "node0:gpu4", "node0:gpu5"])},
+    schedule=[("b", "commit"), ("dp4", "missing"), ("c", "build fails"), ("c", "commit")],
+    exit_on_leave=("node0:gpu3",), fresh=("node0:gpu3",), fail_fresh_build="c")
+MOE_ETP = Scenario(
+    cases={"ma": case("ma", 4, ep=2, etp=2, **MOE_MODEL),
+           "mb": case("mb", 2, ep=2, etp=1, **MOE_MODEL),
+           "mc": case("mc", 4, ep=4, etp=1, **MOE_MODEL)},
+    schedule=[("mb", "commit"), ("mc", "commit")],
+    exit_on_leave=("node0:gpu2", "node0:gpu3"), fresh=("node0:gpu2", "node0:gpu3"))
+
+
+def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
+    specs = sc.specs()
+    first = next(iter(sc.cases))
+    configs = {s.name: elastic.megatron_lm_config(
+        to_harness_cfg({k: v for k, v in sc.cases[k].items() if k != "devices"}))
+        for k, s in specs.items()}
 
     def fn(store) -> dict:
         rdzv = Rendezvous(store, "gloo", prefix="job", timeout=TIMEOUT)
-        tr = elastic.Trainer(configs, GLOBAL_BATCH)
-        fail_build = {"on": fresh}  # the fresh process's first build of C fails
+        tr = elastic.Trainer(configs, sc.global_batch)
+        fail_build = {"on": fresh and sc.fail_fresh_build is not None}
 
         def build(spec):
             job = tr.build(spec)
-            if fail_build["on"] and spec.name == "c":
+            if fail_build["on"] and spec.name == sc.fail_fresh_build:
                 # At the end: a build that fails inside its collectives (the tied embedding's
                 # all-reduce) fails its peers too, but only at their timeout.
                 fail_build["on"] = False
@@ -68,13 +107,13 @@ def _worker(device: str, fresh: bool, ckpt: str):
         out: dict = {"device": device, "events": []}
         kw = dict(rendezvous=rdzv, timeout=TIMEOUT,
                   init_kwargs=dict(create_gloo_process_groups=False))
-        if device in DEV and not fresh:
+        if not fresh:
             rdzv.form("start", DEV, device)
-            live.init_parallel(configs["a"])
-            job = tr.build(SPECS["a"])
+            live.init_parallel(configs[first])
+            job = tr.build(specs[first])
             for _ in range(2):
                 tr.step(job)
-            sw = LiveSwitcher(SPECS["a"], device, build, check, **kw)
+            sw = LiveSwitcher(specs[first], device, build, check, **kw)
             step = 0
         else:
             sw, job, step = LiveSwitcher(None, device, build, check, **kw), None, None
@@ -90,22 +129,23 @@ def _worker(device: str, fresh: bool, ckpt: str):
                     out["events"].append(("closed",))
                     return out
                 job, step = res.job, res.generation - 1
-                out["events"].append(_checked(tr, res, SPECS[SCHEDULE[step][0]], ckpt, step))
+                out["events"].append(_checked(tr, res, specs[sc.schedule[step][0]], ckpt, step))
                 step += 1
                 continue
-            if step == len(SCHEDULE):
+            if step == len(sc.schedule):
                 out["final"] = tr.step(job)
                 sw.close()
                 return out
-            name, what = SCHEDULE[step]
-            sw.prepare(SPECS[name]).result()
+            name, what = sc.schedule[step]
+            sw.prepare(specs[name]).result()
             path = os.path.join(ckpt, str(step))
             tr.save(job, path)
             before = tr.state(job)
             eval_before = tr.step(job, forward_only=True)
             rdzv.timeout = MISSING_TIMEOUT if what == "missing" else TIMEOUT
             if device == "node0:gpu1" and step == 0:
-                elastic.trigger(store, "fresh-gpu3")  # start it while the job switches
+                for d in sc.fresh:
+                    elastic.trigger(store, f"fresh-{d}")  # start it while the job switches
             try:
                 res = sw.switch(job)
             except SwitchFailed as e:
@@ -120,16 +160,26 @@ def _worker(device: str, fresh: bool, ckpt: str):
             rdzv.timeout = TIMEOUT
             if res.role == "left":
                 out["events"].append({"step": step, "left": True, "seconds": res.seconds})
-                if device == "node0:gpu3":
+                if device in sc.exit_on_leave:
                     return out  # leaves and exits
                 job, step = None, None  # idles as a spare
                 continue
-            event = _checked(tr, res, SPECS[name], ckpt, step)
+            event = _checked(tr, res, specs[name], ckpt, step)
             event["eval_before"] = eval_before
             out["events"].append(event)
             job, step = res.job, step + 1
 
     return fn
+
+
+def _run(sc: Scenario) -> dict[str, list]:
+    with tempfile.TemporaryDirectory(prefix="live_world_ckpt_") as ckpt:
+        fns = {d: _worker(sc, d, False, ckpt) for d in DEV}
+        late = {f"fresh-{d}": (f"fresh-{d}", _worker(sc, d, True, ckpt)) for d in sc.fresh}
+        got = elastic.run_processes(fns, late=late)
+    for name, r in got.items():
+        r["events"].append({"final": r.get("final")})
+    return {name: r["events"] for name, r in got.items()}
 
 
 def _checked(tr, res: SwitchResult, spec, ckpt: str, step: int) -> dict:
@@ -146,22 +196,19 @@ def _checked(tr, res: SwitchResult, spec, ckpt: str, step: int) -> dict:
 
 
 def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
-    with tempfile.TemporaryDirectory(prefix="live_world_ckpt_") as ckpt:
-        fns = {d: _worker(d, False, ckpt) for d in DEV}
-        got = elastic.run_processes(
-            fns, late={"fresh-gpu3": ("fresh-gpu3", _worker("node0:gpu3", True, ckpt))})
-    ev = {name: r["events"] for name, r in got.items()}
+    ev = _run(DENSE)
 
     # 1. shrink: gpu0-1 stay and equal the checkpoint reload; gpu2 (spare) and gpu3 leave.
     for d in DEV[:2]:
         e = ev[d][0]
         assert e["role"] == "stayed" and e["pre"] == [] and e["post"] == [], (d, e)
+        assert e["n_state"] > 10
         assert e["losses"][0]["losses"] == e["losses"][1]["losses"]
         # Only DP changed: the same 8 samples give the same loss up to summation order.
         before, after = e["eval_before"]["global_loss"], e["eval_after"]["global_loss"]
         assert abs(before - after) <= 1e-12 * abs(before), (before, after)
         assert (e["eval_before"]["micro_batches"], e["eval_after"]["micro_batches"]) == (4, 8)
-    assert ev["node0:gpu3"] == [ev["node0:gpu3"][0]] and ev["node0:gpu3"][0]["left"]
+    assert ev["node0:gpu3"][0]["left"] and len(ev["node0:gpu3"]) == 2  # left, then exited
     assert ev["node0:gpu2"][0]["left"]
 
     # 2. gpu4-5 never come: the sources roll back.
@@ -172,21 +219,40 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
             assert e["diffs"] == [], (d, e["diffs"][:5])
             assert e["eval"][0]["losses"] == e["eval"][1]["losses"]
     assert ev["node0:gpu2"][1][0] == "join failed"
-    assert ev["fresh-gpu3"][0][0] == "join failed"
-    assert "injected build failure" in ev["fresh-gpu3"][0][1]
+    assert ev["fresh-node0:gpu3"][0][0] == "join failed"
+    assert "injected build failure" in ev["fresh-node0:gpu3"][0][1]
 
     # 4. grow: stayed (gpu0-1), joined from a spare (gpu2) and freshly started (gpu3).
     final = {"node0:gpu0": ev["node0:gpu0"][3], "node0:gpu1": ev["node0:gpu1"][3],
-             "node0:gpu2": ev["node0:gpu2"][2], "node0:gpu3": ev["fresh-gpu3"][1]}
+             "node0:gpu2": ev["node0:gpu2"][2], "node0:gpu3": ev["fresh-node0:gpu3"][1]}
     roles = {d: e["role"] for d, e in final.items()}
     assert roles == {"node0:gpu0": "stayed", "node0:gpu1": "stayed", "node0:gpu2": "joined",
                      "node0:gpu3": "joined"}
-    for d, e in final.items():
+    _assert_equal_to_reload(final)
+    assert all(e["eval_after"]["micro_batches"] == 4 for e in final.values())
+    # Every process of the last layout trained one more iteration together.
+    assert all(ev[n][-1]["final"] is not None
+               for n in ("node0:gpu0", "node0:gpu1", "node0:gpu2", "fresh-node0:gpu3"))
+
+
+def test_moe_world_change_with_ep_and_etp() -> None:
+    """MoE with the router's expert_bias: EP2·ETP2 on 4 -> EP2·ETP1 on 2 (gpu2-3 exit) ->
+    EP4 on 4 with two freshly started processes."""
+    ev = _run(MOE_ETP)
+    shrink = {d: ev[d][0] for d in DEV[:2]}
+    assert all(e["role"] == "stayed" for e in shrink.values())
+    _assert_equal_to_reload(shrink)
+    assert all(ev[d][0]["left"] for d in DEV[2:])
+    grow = {"node0:gpu0": ev["node0:gpu0"][1], "node0:gpu1": ev["node0:gpu1"][1],
+            "node0:gpu2": ev["fresh-node0:gpu2"][0], "node0:gpu3": ev["fresh-node0:gpu3"][0]}
+    assert [e["role"] for e in grow.values()] == ["stayed", "stayed", "joined", "joined"]
+    _assert_equal_to_reload(grow)
+
+
+def _assert_equal_to_reload(events: dict) -> None:
+    for d, e in events.items():
         assert e["pre"] == [] and e["post"] == [], (d, e["pre"][:5], e["post"][:5])
         assert e["n_state"] > 10
         assert e["losses"][0]["losses"] == e["losses"][1]["losses"]
-        assert e["eval_after"]["micro_batches"] == 4
-    assert sum(e["bytes_received"] for e in final.values()) > 0
-    assert ev["node0:gpu2"][-1] == ("closed",) or "final" in got["node0:gpu2"]
-    assert all("final" in got[n] for n in ("node0:gpu0", "node0:gpu1", "node0:gpu2",
-                                           "fresh-gpu3"))
+    assert any(e["losses"][0]["losses"] for e in events.values()), "no rank saw a loss"
+    assert sum(e["bytes_received"] for e in events.values()) > 0

@@ -133,6 +133,18 @@ def _error(tmpdir: str, names: list[str]) -> RuntimeError:
 # ---- jobs with a fixed global batch -----------------------------------------------------------
 
 
+def megatron_lm_config(cfg: dict) -> dict:
+    """A harness config resolved with Megatron-LM's pipeline p2p defaults: with VPP it overlaps
+    p2p (``overlap_p2p_comm``) instead of batching it. Batched, PP2's two directions go to one
+    peer in one batch and megatron's order swaps activations with gradients: training in
+    PP2·VPP2 then diverges from PP2 after the first micro-batches (measured here)."""
+    c = live.resolve(cfg)
+    if c["vpp"] is not None:
+        c["transformer_config_overrides"] = {**(c["transformer_config_overrides"] or {}),
+                                             "overlap_p2p_comm": True, "batch_p2p_comm": False}
+    return c
+
+
 def scheduler(optimizer) -> OptimizerParamScheduler:
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=live.LR, min_lr=live.LR / 10, lr_warmup_steps=2,

@@ -65,8 +65,11 @@ def _needs(L: Layout, rank: int) -> tuple[_Need, ...]:
 
 def derive_params(plan: Plan, view: StateView, dst_rank: int | None, dst: Storage | None,
                   pg: dist.ProcessGroup, devices: tuple[str, ...], timeout: float, where,
-                  wait: Callable) -> tuple[int, int, int]:
-    """Rebuild the params from the main params; returns (bytes sent, received, staged)."""
+                  wait: Callable, on: torch.device | None = None) -> tuple[int, int, int]:
+    """Rebuild the params from the main params; returns (bytes sent, received, staged).
+
+    ``on``: the device of the staging buffers (the destination storage's).
+    """
     L = view.layout
     if "main_param" not in view.kinds:
         raise ValueError("derived params need main params in the destination")
@@ -83,7 +86,7 @@ def derive_params(plan: Plan, view: StateView, dst_rank: int | None, dst: Storag
         # A shard holding only vocab padding has no storage: its elements are zeros.
         t = dst.get(("main_param", "FlatSlot", chunk, name)) if dst is not None else None
         if t is None:
-            return torch.zeros(n, dtype=pdtype)
+            return torch.zeros(n, dtype=pdtype, device=on)
         if t.numel() != n:
             raise ValueError(f"main-param shard of {name} has {t.numel()} elements, the "
                              f"buffer says {n}")
@@ -116,7 +119,8 @@ def derive_params(plan: Plan, view: StateView, dst_rank: int | None, dst: Storag
         esize = torch.empty((), dtype=pdtype).element_size()
         for q, ns in sorted(outgoing.items()):
             buf = torch.cat([main_flat(n.chunk, n.name, n.hi - n.lo) for n in ns]
-                            ).view(torch.uint8) if ns else torch.empty(0, dtype=torch.uint8)
+                            ).view(torch.uint8) if ns else torch.empty(0, dtype=torch.uint8,
+                                                                        device=on)
             peer = plan.dst_devices[q]
             ops.append(dist.P2POp(dist.isend, buf, group=pg, tag=DERIVE_TAG,
                                   group_peer=devices.index(peer)))
@@ -124,7 +128,8 @@ def derive_params(plan: Plan, view: StateView, dst_rank: int | None, dst: Storag
             peers.append(peer)
             sent += buf.numel()
         for q, ns in sorted(incoming.items()):
-            buf = torch.empty(sum(n.hi - n.lo for n in ns) * esize, dtype=torch.uint8)
+            buf = torch.empty(sum(n.hi - n.lo for n in ns) * esize, dtype=torch.uint8,
+                              device=on)
             peer = plan.dst_devices[q]
             ops.append(dist.P2POp(dist.irecv, buf, group=pg, tag=DERIVE_TAG,
                                   group_peer=devices.index(peer)))

@@ -224,15 +224,16 @@ def prepare_round(i: int, rnd: Round, device: str, src_rank: int | None, dst_ran
 class Arena:
     """The staging bytes of one process for a whole switch; grows, never shrinks."""
 
-    def __init__(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.uint8)
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.buf = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.peak = 0
 
     def carve(self, work: RoundWork) -> None:
         """Give every staged piece of ``work`` its slice of the arena."""
         if work.staging > self.buf.numel():
-            self.buf = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self.buf = torch.empty(work.staging, dtype=torch.uint8)
+            self.buf = torch.empty(0, dtype=torch.uint8, device=self.device)  # free it first
+            self.buf = torch.empty(work.staging, dtype=torch.uint8, device=self.device)
         self.peak = max(self.peak, self.buf.numel())
         off = 0
         for p in work.recvs + work.sends:

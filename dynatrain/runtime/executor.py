@@ -196,12 +196,13 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     where = _Where()
     devices = process_devices(plan)
     pg = group if group is not None else dist.group.WORLD
-    arena = Arena()
+    on = tensor_device(src_store, dst_store, pg)
+    arena = Arena(on)
     try:
         me = _bind(plan, src_view, dst_view, device, src_store, pg, devices)
         pg.set_timeout(td)  # gloo collectives block their worker thread up to this long
         before = checksums(src_store) if verify_source and src_store is not None else None
-        dst = _destination(dst_view, me, dst_store)
+        dst = _destination(dst_view, me, dst_store, on)
         reports = _run_rounds(plan, me, src_store, dst, pg, devices, timeout, where, on_round,
                               arena)
         where.round = None
@@ -210,13 +211,13 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         if plan.derived:
             where.phase = "derive params"
             derive = derive_params(plan, dst_view, me.dst_rank, dst, pg, devices, timeout,
-                                   where, _wait)
+                                   where, _wait, on)
         derive_seconds = time.perf_counter() - t
     except Exception as err:  # noqa: BLE001 — every failure becomes one SwitchAborted
         raise _abort(err, device, where, pg, destroy_group_on_abort) from err
     finally:
         arena_bytes = arena.peak
-        arena.buf = torch.empty(0, dtype=torch.uint8)  # staging is freed before the vote
+        arena.buf = torch.empty(0, dtype=torch.uint8, device=on)  # freed before the vote
 
     # All messages of this process completed: a problem found now is voted, not shouted.
     problem = ""
@@ -229,8 +230,8 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     t = time.perf_counter()
     where.phase, where.peer = "vote", None
     try:
-        flags = torch.zeros(len(devices), dtype=torch.int32)
-        mine = torch.tensor([0 if problem else 1], dtype=torch.int32)
+        flags = torch.zeros(len(devices), dtype=torch.int32, device=on)
+        mine = torch.tensor([0 if problem else 1], dtype=torch.int32, device=on)
         _wait(dist.all_gather_single(flags, mine, group=pg, async_op=True), timeout)
     except Exception as err:  # noqa: BLE001
         raise _abort(err, device, where, pg, destroy_group_on_abort) from err
@@ -250,7 +251,24 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     return dst, report.as_dict()
 
 
-def _destination(view: StateView, me: "_Me", given: Storage | None) -> Storage | None:
+def tensor_device(src_store: Mapping[tuple, torch.Tensor] | None,
+                  dst_store: Mapping[tuple, torch.Tensor] | None,
+                  pg: dist.ProcessGroup) -> torch.device:
+    """Where this process's staging, destination and vote tensors live: beside its state.
+
+    The device of the storage it was given, else the backend's: NCCL moves only CUDA tensors,
+    gloo CPU ones. One code path serves both; only the allocations follow the device.
+    """
+    for store in (src_store, dst_store):
+        for t in (store or {}).values():
+            return t.device
+    if dist.get_backend(pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _destination(view: StateView, me: "_Me", given: Storage | None,
+                 on: torch.device) -> Storage | None:
     """The storage the destination rank is built in: ``given`` (checked) or fresh zeros."""
     if me.dst_rank is None:
         if given is not None:
@@ -258,7 +276,7 @@ def _destination(view: StateView, me: "_Me", given: Storage | None) -> Storage |
                              "given")
         return None
     if given is None:
-        return allocate(view, me.dst_rank)
+        return allocate(view, me.dst_rank, on)
     want = storage_layout(view, me.dst_rank)
     have = {k: (tuple(t.shape), t.dtype) for k, t in given.items()}
     if have != want:

@@ -1,0 +1,40 @@
+"""The runtime allocates beside the state it is given: staging, destination and vote tensors
+follow the storage's device (CUDA under NCCL), so one code path serves GPUs and CPUs.
+
+No GPU here: the ``meta`` device stands in for "not the CPU" (tensors without data)."""
+
+from __future__ import annotations
+
+import torch
+
+from dynatrain.ir.layout import Layout
+from dynatrain.ir.loader import spec_from_dict
+from dynatrain.ir.state import StateView
+from dynatrain.runtime.exchange import Arena
+from dynatrain.runtime.executor import tensor_device
+from dynatrain.runtime.storage import allocate, storage_layout
+
+TINY = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
+            vocab_size=30, make_vocab_size_divisible_by=4, max_position_embeddings=8)
+META = torch.device("meta")
+
+
+def _view() -> StateView:
+    return StateView(Layout(spec_from_dict({"model": TINY, "parallel": {"tp": 2},
+                                            "world": {"nodes": 1, "gpus_per_node": 2}})))
+
+
+def test_state_decides_where_the_switch_allocates() -> None:
+    view = _view()
+    on_meta = allocate(view, 0, META)
+    assert on_meta and all(t.device == META for t in on_meta.values())
+    assert {k: (tuple(t.shape), t.dtype) for k, t in on_meta.items()} == storage_layout(view, 0)
+    # A source storage decides; else the destination storage; the group only when neither.
+    assert tensor_device(on_meta, None, None) == META
+    assert tensor_device(None, on_meta, None) == META
+    assert tensor_device(allocate(view, 1), on_meta, None) == torch.device("cpu")
+
+
+def test_staging_arena_lives_on_the_state_device() -> None:
+    assert Arena(META).buf.device == META
+    assert Arena().buf.device == torch.device("cpu")

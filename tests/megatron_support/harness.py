@@ -326,10 +326,6 @@ def _transformer_config(c: dict) -> TransformerConfig:
         tensor_model_parallel_size=c["tp"],
         pipeline_model_parallel_size=c["pp"],
         virtual_pipeline_model_parallel_size=c["vpp"],
-        # Megatron-LM's p2p defaults with VPP: its batched p2p at PP2 swaps activations and
-        # gradients (training diverges), the interleaved schedule wants overlapped p2p.
-        overlap_p2p_comm=c["vpp"] is not None,
-        batch_p2p_comm=c["vpp"] is None,
         context_parallel_size=c["cp"],
         expert_model_parallel_size=c["ep"],
         expert_tensor_parallel_size=c["etp"],
@@ -380,10 +376,6 @@ def _build(c: dict):
         tensor_model_parallel_size=c["tp"],
         pipeline_model_parallel_size=c["pp"],
         virtual_pipeline_model_parallel_size=c["vpp"],
-        # Megatron-LM's p2p defaults with VPP: its batched p2p at PP2 swaps activations and
-        # gradients (training diverges), the interleaved schedule wants overlapped p2p.
-        overlap_p2p_comm=c["vpp"] is not None,
-        batch_p2p_comm=c["vpp"] is None,
         context_parallel_size=c["cp"],
         expert_model_parallel_size=c["ep"],
         expert_tensor_parallel_size=c["etp"],

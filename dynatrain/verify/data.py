@@ -149,7 +149,7 @@ def _derivable(plan: Plan, dst: StateView, emit: Emit) -> set[str]:
         # Witness: the first element of that kind the destination holds (nothing rebuilds it).
         rank, s = next(((r, s) for r in range(dst.layout.world) for s in dst.stored(r)
                         if k in s.kinds), (0, None))
-        emit(Violation("coverage", f"is declared derived (not sent), but the destination "
+        emit(Violation("coverage", "is declared derived (not sent), but the destination "
                        "derives only param, and only with state.derive_param and main params",
                        s.key if s else "plan.derived", k, (rank,), (), s.box.lo if s else ()))
     return set(plan.derived) & allowed

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from ...ir.errors import LayoutError
-from ...ir.state import BufferSlot, FlatSlot, ParamSlot, StateView
-from ..storage import Storage, slot_key, torch_dtype
+from ...ir.state import BufferSlot, StateView
+from ..storage import Storage, slot_key, storage_layout
 
 STEP_KEY = slot_key("step", BufferSlot(-1, "step"))
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -46,26 +46,7 @@ class SlotSpec:
 
 def storage_spec(view: StateView, rank: int) -> dict[tuple, SlotSpec]:
     """Every storage key of ``rank`` with its shape and dtype, without allocating anything."""
-    L = view.layout
-    tensors = view.tensors()
-    shapes = {(cs.chunk.vp, sh.param.name): sh.local_shape for cs in L.rank_shards(rank)
-              for sh in cs.shards}
-    lengths = {(b.chunk, o.name): o.param[1] - o.param[0] for b, owned in L.rank_owned(rank)
-               for o in owned}
-    out: dict[tuple, SlotSpec] = {}
-    for reg in view.regions(rank):
-        k = slot_key(reg.kind, reg.slot)
-        if k in out:
-            continue
-        s = reg.slot
-        if isinstance(s, ParamSlot):
-            shape = shapes[(s.chunk, s.name)]
-        elif isinstance(s, FlatSlot):
-            shape = (lengths[(s.chunk, s.name)],)
-        else:
-            shape = reg.box.shape
-        out[k] = SlotSpec(tuple(shape), torch_dtype(tensors[(reg.key, reg.kind)].dtype))
-    return out
+    return {k: SlotSpec(shape, dtype) for k, (shape, dtype) in storage_layout(view, rank).items()}
 
 
 @dataclass

@@ -11,7 +11,8 @@ from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import spec_from_dict
 from dynatrain.ir.state import StateView
 from dynatrain.runtime.exchange import Arena
-from dynatrain.runtime.executor import tensor_device
+from dynatrain.planner.pipeline import plan_transition
+from dynatrain.runtime.executor import process_devices, tensor_device
 from dynatrain.runtime.storage import allocate, storage_layout
 
 TINY = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
@@ -38,3 +39,15 @@ def test_state_decides_where_the_switch_allocates() -> None:
 def test_staging_arena_lives_on_the_state_device() -> None:
     assert Arena(META).buf.device == META
     assert Arena().buf.device == torch.device("cpu")
+
+
+def test_process_order_is_the_jobs_rank_order_then_new_devices() -> None:
+    # 12 nodes: sorted names would put node10 before node2, so process i would not be rank i.
+    def layout(nodes: int, **par) -> Layout:
+        return Layout(spec_from_dict({"model": TINY, "parallel": par,
+                                      "world": {"nodes": nodes, "gpus_per_node": 1}}))
+    a, b = layout(12, tp=2), layout(12, tp=2, pp=2)
+    assert process_devices(plan_transition(a, b, 1 << 20)) == a.devices
+    grow = layout(14, tp=2)
+    assert process_devices(plan_transition(a, grow, 1 << 20)) == a.devices + grow.devices[12:]
+    assert process_devices(plan_transition(grow, a, 1 << 20)) == grow.devices

@@ -1,8 +1,8 @@
 """Execute a verified plan across real processes with ``torch.distributed``: all or nothing.
 
 Every process of the switch calls ``switch`` with the same plan. The processes are the devices
-``process_devices(plan)`` (the sorted union of the plan's source and destination devices); the
-process of device ``devices[i]`` must be rank ``i`` of ``group``. A process holds the source
+``process_devices(plan)`` (the source's devices in rank order, then the destination's new
+ones); the process of device ``devices[i]`` must be rank ``i`` of ``group``. A process holds the source
 rank its device runs in the plan's source layout (if any) and builds the destination rank its
 device runs in the destination layout (if any); ``Transfer.src_rank``/``dst_rank`` are those
 layout ranks and ``plan.src_devices``/``plan.dst_devices`` map them to devices.
@@ -141,8 +141,17 @@ class SwitchReport:
 
 
 def process_devices(plan: Plan) -> tuple[str, ...]:
-    """The devices of a switch, in process order: process ``i`` runs ``devices[i]``."""
-    return tuple(sorted(set(plan.src_devices) | set(plan.dst_devices)))
+    """The devices of a switch, in process order: process ``i`` runs ``devices[i]``.
+
+    The source's devices in source rank order, then those only the destination has in
+    destination rank order: on an unchanged world process ``i`` is the job's own rank ``i``,
+    so a switch runs in the job's group as it is (a sorted order would put node10 before
+    node2 and break that from 11 nodes on).
+    """
+    union = dict.fromkeys(plan.src_devices)
+    for d in plan.dst_devices:
+        union.setdefault(d)
+    return tuple(union)
 
 
 class _Where:

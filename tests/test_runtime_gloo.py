@@ -31,6 +31,7 @@ from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Plan
 from dynatrain.runtime import exchange
 from dynatrain.runtime.executor import SwitchAborted, process_devices, switch
+from dynatrain.runtime.local import global_state
 from dynatrain.runtime.storage import (ByteViews, allocate, byte_view, checksums,
                                        fill_from_global, random_global, region, torch_dtype,
                                        within)
@@ -108,16 +109,6 @@ def _init(job: Job, idx: int, attempt: int) -> None:
                             timeout=datetime.timedelta(seconds=60))
 
 
-def _tensors(job: Job) -> dict:
-    tensors = random_global(job.src, SEED)
-    if job.plan.derived:  # Megatron's invariant at a step boundary: param == cast(main_param)
-        pdtype = torch_dtype(job.src.kinds["param"])
-        for key, kind in list(tensors):
-            if kind == "param":
-                tensors[(key, kind)] = tensors[(key, "main_param")].to(pdtype)
-    return tensors
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
@@ -176,7 +167,7 @@ def _worker(idx: int, job: Job) -> None:
     res: dict = {"device": device, "errors": []}
     try:
         _init(job, idx, 0)
-        tensors = _tensors(job)
+        tensors = global_state(job.src, SEED, bool(job.plan.derived))
         src = None
         if device in job.plan.src_devices:
             src = fill_from_global(job.src, job.plan.src_devices.index(device), tensors)

@@ -29,7 +29,7 @@ def _verify(tmp_path, doc: dict, *extra: str) -> int:
 
 def test_saved_plan_verifies_on_its_own(tmp_path, capsys) -> None:
     doc = _save_plan(tmp_path, capsys, "--place", "auto")
-    assert doc["format"] == "dynatrain.plan/2" and doc["summary"]["verify_seconds"] > 0
+    assert doc["format"] == "dynatrain.plan/3" and doc["summary"]["verify_seconds"] > 0
     assert doc["dst_spec"]["world"]["devices"] == doc["dst_devices"]
     assert _verify(tmp_path, doc) == 0
     assert capsys.readouterr().out.startswith("verified: coverage, source, expert")
@@ -60,8 +60,8 @@ def test_old_format_without_specs_needs_them_on_the_command_line(tmp_path, capsy
 
 def test_unreadable_plans_are_one_line_exit_2(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.json"
-    for text, words in (("{", "not JSON"), ('{"format": "x"}', "not a dynatrain.plan/2"),
-                        ('{"format": "dynatrain.plan/2", "rounds": 3}', "malformed")):
+    for text, words in (("{", "not JSON"), ('{"format": "x"}', "not a dynatrain.plan/3"),
+                        ('{"format": "dynatrain.plan/3", "rounds": 3}', "malformed")):
         bad.write_text(text)
         assert main(["verify", str(bad)]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -9,6 +9,7 @@ logical tensor and the slot in that rank's local storage where the box's element
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -69,7 +70,27 @@ class BufferSlot:
     name: str
 
 
-Slot = ParamSlot | FlatSlot | BufferSlot
+@dataclass(frozen=True, slots=True)
+class StackSlot:
+    """A family of slots that differ in name only, one per index of the anchor's leading axes.
+
+    Each expert of a chunk is its own module parameter (and DistributedOptimizer shard), but
+    the experts of a stage hold congruent boxes at one local position: a single region over
+    their (layer, expert) grid stands for all of them, so the planner and the verifier work
+    per grid instead of per weight (the 235B MoE switch: ~24k expert weights per side).
+    ``members`` expands a region of it into the members' own slots, as storage sees them.
+    """
+
+    member: ParamSlot | FlatSlot  # the first member's slot; the others differ in name only
+    axes: int  # leading dims of the anchor that index members (layer, expert)
+    names: tuple[str, ...]  # member names, row-major over the anchor's leading dims
+
+    @property
+    def chunk(self) -> int:
+        return self.member.chunk
+
+
+Slot = ParamSlot | FlatSlot | BufferSlot | StackSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +117,103 @@ class Stored:
     box: Box
     slot: Slot
     primary: bool = True
+
+
+def members(slot: Slot, anchor: Box, box: Box) -> list[tuple[Slot, Box, Box]]:
+    """(slot, anchor, box) per storage tensor that ``box`` (inside ``anchor``) touches.
+
+    A plain slot is its own only member. For a ``StackSlot`` the members are the indices of
+    ``box``'s leading axes, row-major: both ends of a transfer expand one box alike.
+    """
+    if type(slot) is not StackSlot:
+        return [(slot, anchor, box)]
+    n, m = slot.axes, slot.member
+    lead = anchor.shape[:n]
+    tail_alo, tail_ahi = anchor.lo[n:], anchor.hi[n:]
+    out = []
+    for idx in itertools.product(*(range(l, h) for l, h in zip(box.lo[:n], box.hi[:n]))):
+        name = slot.names[_flat_index(lead, tuple(i - a for i, a in zip(idx, anchor.lo)))]
+        one = tuple(i + 1 for i in idx)
+        out.append((_renamed(m, name), Box(idx + tail_alo, one + tail_ahi),
+                    Box(idx + box.lo[n:], one + box.hi[n:])))
+    return out
+
+
+def _renamed(slot: ParamSlot | FlatSlot, name: str) -> ParamSlot | FlatSlot:
+    if type(slot) is ParamSlot:
+        return ParamSlot(slot.chunk, name, slot.local_offset)
+    return FlatSlot(slot.chunk, slot.buffer, name, slot.offset)
+
+
+def stack(entries: list[tuple[int, Stored]]) -> list[Stored]:
+    """Merge congruent entries into ``StackSlot`` families; (leading axes, entry) in.
+
+    Entries with the same key, kinds, slot (name aside) and box past their ``n`` leading
+    axes form a group; the group's leading coordinates are cut into boxes (``grid_boxes``)
+    and each box of two or more members becomes one entry. ``n == 0`` entries pass as they
+    are. Families come out where their group first appeared, so the order stays stable.
+    """
+    groups: dict[tuple, dict[tuple[int, ...], Stored]] = {}
+    out: list[Stored | tuple] = []
+    for n, s in entries:
+        if n == 0:
+            out.append(s)
+            continue
+        sl = s.slot
+        where = ((sl.chunk, sl.local_offset) if type(sl) is ParamSlot
+                 else (sl.chunk, sl.buffer, sl.offset))
+        sig = (n, s.key, s.kinds, s.primary, type(sl), where, s.box.lo[n:], s.box.hi[n:])
+        g = groups.get(sig)
+        if g is None:
+            g = groups[sig] = {}
+            out.append(sig)
+        g[s.box.lo[:n]] = s
+    result: list[Stored] = []
+    for item in out:
+        if isinstance(item, Stored):
+            result.append(item)
+            continue
+        n, tail_lo, tail_hi = item[0], item[6], item[7]
+        g = groups[item]
+        for lo, hi in grid_boxes(sorted(g)):
+            pts = list(itertools.product(*(range(a, b) for a, b in zip(lo, hi))))
+            first = g[pts[0]]
+            if len(pts) == 1:
+                result.append(first)
+                continue
+            slot = StackSlot(first.slot, n, tuple(g[p].slot.name for p in pts))
+            result.append(Stored(first.key, first.kinds, Box(lo + tail_lo, hi + tail_hi),
+                                 slot, first.primary))
+    return result
+
+
+def grid_boxes(points: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cover sorted, distinct integer points exactly with few boxes: runs along the last axis,
+    merged over consecutive indices of the axes before that cover the same runs."""
+    if not points[0]:
+        return [((), ())]
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    prev: list | None = None  # [head lo, head hi, the rest's boxes]
+
+    def flush() -> None:
+        if prev is not None:
+            out.extend(((prev[0],) + lo, (prev[1],) + hi) for lo, hi in prev[2])
+
+    i = 0
+    while i < len(points):
+        head = points[i][0]
+        j = i
+        while j < len(points) and points[j][0] == head:
+            j += 1
+        rest = grid_boxes([p[1:] for p in points[i:j]])
+        if prev is not None and prev[1] == head and prev[2] == rest:
+            prev[1] = head + 1
+        else:
+            flush()
+            prev = [head, head + 1, rest]
+        i = j
+    flush()
+    return out
 
 
 def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -261,9 +379,11 @@ class StateView:
         return out
 
     def regions(self, rank: int) -> tuple[Region, ...]:
-        """Everything ``rank`` holds, as regions of logical tensors (one per state kind)."""
-        return tuple(Region(s.key, k, s.box, s.slot, s.primary)
-                     for s in self.stored(rank) for k in s.kinds)
+        """Everything ``rank`` holds, as regions of logical tensors (one per state kind), each
+        in one storage tensor (``StackSlot`` families expanded into their members)."""
+        return tuple(Region(s.key, k, box, slot, s.primary)
+                     for s in self.stored(rank) for slot, _, box in members(s.slot, s.box, s.box)
+                     for k in s.kinds)
 
     def stored(self, rank: int) -> tuple[Stored, ...]:
         """Everything ``rank`` holds, kinds that share a box and slot grouped.
@@ -327,14 +447,17 @@ class StateView:
         out: list[Stored] = []
         for cs in L._shards(*model):
             vp = cs.chunk.vp
+            entries = []  # (leading axes to stack over, entry): expert weights only
             for sh in cs.shards:
                 if sh.param.expert != expert:
                     continue
                 primary = not sh.param.tied_copy
+                npre = len(sh.param.prepend)
                 parts = local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, V)
-                for lo, box in merge_adjacent(parts, len(sh.param.prepend)):
-                    out.append(Stored(sh.param.key, kinds, box, ParamSlot(vp, sh.param.name, lo),
-                                      primary))
+                for lo, box in merge_adjacent(parts, npre):
+                    entries.append((npre if expert else 0, Stored(
+                        sh.param.key, kinds, box, ParamSlot(vp, sh.param.name, lo), primary)))
+            out += stack(entries)
             if not expert:
                 for b in cs.buffers:
                     pre = tuple(i for i, _ in b.prepend)
@@ -379,21 +502,30 @@ class StateView:
         opt_kinds = tuple(k for k in self.kinds if k != "param")
         by_name = {sh.param.name: sh for cs in L._shards(*model) if cs.chunk.vp == buf.chunk
                    for sh in cs.shards}
-        out: list[Stored] = []
+        entries: list[tuple[int, Stored]] = []  # (leading axes to stack over, entry)
         for o in owned_ranges(buf, opt_rank):
             sh = by_name[o.name]
+            npre = len(sh.param.prepend)
             for lo, size in flat_boxes(sh.local_shape, *o.param):
                 start = _flat_index(sh.local_shape, lo) - o.param[0]
                 parts = local_to_global(sh, lo, size, V)
-                for plo, box in merge_adjacent(parts, len(sh.param.prepend), sh.local_shape):
+                for plo, box in merge_adjacent(parts, npre, sh.local_shape):
                     off = start + _flat_index(sh.local_shape, plo) - _flat_index(sh.local_shape, lo)
-                    out.append(Stored(sh.param.key, opt_kinds, box,
-                                      FlatSlot(buf.chunk, bi, o.name, off), not sh.param.tied_copy))
-        return tuple(out)
+                    entries.append((npre if sh.param.expert else 0, Stored(
+                        sh.param.key, opt_kinds, box, FlatSlot(buf.chunk, bi, o.name, off),
+                        not sh.param.tied_copy)))
+        return tuple(stack(entries))
 
 
 def slot_key(kind: str, slot: Slot) -> tuple:
-    """The key of ``slot``'s tensor in a rank's local storage, for state ``kind``."""
+    """The key of ``slot``'s tensor in a rank's local storage, for state ``kind``.
+
+    Raises:
+        LayoutError: ``slot`` is a ``StackSlot``, which spans several tensors (``members``).
+    """
+    if type(slot) is StackSlot:
+        raise LayoutError(f"a family of {len(slot.names)} slots has no single storage tensor; "
+                          "expand it with members()")
     return (kind, type(slot).__name__, slot.chunk, slot.name)
 
 

@@ -6,15 +6,18 @@ from typing import Any
 
 from ..ir.box import Box
 from ..ir.errors import DynatrainError
-from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot
+from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot
 from .plan import Message, Plan, Round, Transfer
 
-FORMAT = "dynatrain.plan/2"
-# /1 had no per-device order (read as the message order) and no embedded specs.
-READABLE = ("dynatrain.plan/1", FORMAT)
+FORMAT = "dynatrain.plan/3"
+# /1 had no per-device order (read as the message order) and no embedded specs; /2 no
+# stacked (expert family) slots. Older documents read as they are.
+READABLE = ("dynatrain.plan/1", "dynatrain.plan/2", FORMAT)
 
 
 def _slot(s: Slot) -> list:
+    if isinstance(s, StackSlot):
+        return ["stack", s.axes, _slot(s.member), list(s.names)]
     if isinstance(s, ParamSlot):
         return ["param", s.chunk, s.name, list(s.local_offset)]
     if isinstance(s, FlatSlot):
@@ -29,6 +32,11 @@ def _unslot(v: list) -> Slot:
         return FlatSlot(int(v[1]), int(v[2]), str(v[3]), int(v[4]))
     if v[0] == "buffer":
         return BufferSlot(int(v[1]), str(v[2]))
+    if v[0] == "stack":
+        member = _unslot(v[2])
+        if not isinstance(member, (ParamSlot, FlatSlot)) or not isinstance(v[3], list):
+            raise DynatrainError("plan: a stack slot's member must be a param or flat slot")
+        return StackSlot(member, int(v[1]), tuple(str(n) for n in v[3]))
     raise DynatrainError(f"plan: unknown slot type {v[0]!r}")
 
 
@@ -42,7 +50,7 @@ def _unbox(v: list) -> Box:
 
 def plan_to_json(plan: Plan, src_spec: dict | None = None,
                  dst_spec: dict | None = None) -> dict[str, Any]:
-    """A JSON-able document of ``plan`` (format ``dynatrain.plan/2``).
+    """A JSON-able document of ``plan`` (format ``dynatrain.plan/3``).
 
     ``src_spec``/``dst_spec`` (plain spec documents, the destination with the devices the plan
     placed it on) make the file self-contained: ``dynatrain verify`` needs nothing else.

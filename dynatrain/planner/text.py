@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..ir.box import Box
-from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot
+from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, members
 from .plan import Plan
 
 
@@ -21,6 +21,11 @@ def slot_text(slot: Slot, anchor: Box | None = None, box: Box | None = None) -> 
     With ``anchor`` (the box stored in the slot) and ``box`` inside it, the position is the
     box's own: its local offset, or its start in the flat optimizer shard.
     """
+    if isinstance(slot, StackSlot):  # a family: its first member here, and how many
+        if anchor is None or box is None:
+            return f"{slot_text(slot.member)} (x{len(slot.names)})"
+        ms = members(slot, anchor, box)
+        return f"{slot_text(*ms[0])} (x{len(ms)})"
     rel = (tuple(b - a for a, b in zip(anchor.lo, box.lo))
            if anchor is not None and box is not None else None)
     if isinstance(slot, ParamSlot):

@@ -20,8 +20,8 @@ import torch
 
 from ..ir.box import Box
 from ..ir.errors import LayoutError
-from ..ir.state import (BufferSlot, FlatSlot, ParamSlot, Slot, StateView, slot_key,
-                        storage_tensors)
+from ..ir.state import (BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, StateView, members,
+                        slot_key, storage_tensors)
 
 Storage = dict[tuple, torch.Tensor]  # per rank: (kind, slot kind, chunk, name) -> tensor
 
@@ -139,6 +139,9 @@ class ByteViews:
 
     def __call__(self, kinds: tuple[str, ...], slot: Slot, anchor: Box, box: Box
                  ) -> list[torch.Tensor]:
+        if type(slot) is StackSlot:  # per member (row-major over the box's leading axes)
+            return [v for m_slot, m_anchor, m_box in members(slot, anchor, box)
+                    for v in self(kinds, m_slot, m_anchor, m_box)]
         out = []
         geo = None
         shape = box.shape

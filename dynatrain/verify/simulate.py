@@ -13,7 +13,8 @@ import math
 import numpy as np
 
 from ..ir.box import Box
-from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot, StateView, slot_key, storage_tensors
+from ..ir.state import (BufferSlot, FlatSlot, ParamSlot, Slot, StateView, members, slot_key,
+                        storage_tensors)
 from ..planner.plan import Plan
 
 Storage = dict[tuple, np.ndarray]  # per rank: (kind, slot kind, chunk, name) -> array
@@ -60,10 +61,16 @@ def execute(plan: Plan, src: list[Storage], dst_view: StateView) -> list[Storage
     for rnd in plan.rounds:
         for msg in rnd.messages:
             for t in msg.transfers:
-                for kind in t.kinds:
-                    s = region(src[t.src_rank], kind, t.src_slot, t.src_anchor)
-                    d = region(dst[t.dst_rank], kind, t.dst_slot, t.dst_anchor)
-                    d[_within(t.box, t.dst_anchor)] = s[_within(t.box, t.src_anchor)]
+                pairs = zip(members(t.src_slot, t.src_anchor, t.box),
+                            members(t.dst_slot, t.dst_anchor, t.box), strict=True)
+                for (s_slot, s_anchor, box), (d_slot, d_anchor, d_box) in pairs:
+                    if d_box != box:
+                        raise ValueError(f"{t}: source and destination members differ "
+                                         f"({box} and {d_box})")
+                    for kind in t.kinds:
+                        s = region(src[t.src_rank], kind, s_slot, s_anchor)
+                        d = region(dst[t.dst_rank], kind, d_slot, d_anchor)
+                        d[_within(box, d_anchor)] = s[_within(box, s_anchor)]
     if "param" in plan.derived:
         _derive_params(dst, dst_view)
     return dst

@@ -1,6 +1,6 @@
 """Expert-weight families (``StackSlot``): the stacked IR holds exactly what the unstacked one does.
 
-``stack`` groups congruent expert entries of a stage into one region over their (layer, expert)
+The IR groups congruent expert weights of a stage into one region over their (layer, expert)
 grid, ``grid_boxes`` cuts the grid into boxes, ``members`` expands a family back into one
 (slot, anchor, box) per storage tensor. Checked here: the box cover on its own, the expansion on
 hand-made families, the per-rank regions and storage of several MoE layouts against the same
@@ -177,23 +177,16 @@ LAYOUTS = [
 ]
 
 
-def _unstacked(entries):
-    return [s for _, s in entries]
-
-
 def _no_stacking(mp: pytest.MonkeyPatch) -> None:
-    """Switch stacking off: ``stack`` passes every entry as it is."""
-    if hasattr(state_mod, "stack"):
-        mp.setattr(state_mod, "stack", _unstacked)
-    else:  # a later IR builds families from templates and has a switch instead
-        mp.setattr(state_mod, "STACK_EXPERTS", False)
+    """Switch stacking off: every expert weight takes the per-weight path (no templates)."""
+    mp.setattr(state_mod, "STACK_EXPERTS", False)
 
 
 def _views(spec, monkeypatch) -> tuple[StateView, StateView]:
     """A stacked and an unstacked view of ``spec``, each on its own fresh Layout.
 
     The state caches are per view (``lru_cache`` on methods keys on the view) and the
-    module-level caches below the state (shards, buffers, model) never call ``stack``; the
+    module-level caches below the state (shards, buffers, model) never read the switch; the
     stacked view is filled before the patch so nothing it caches can see it, and the
     unstacked one is filled entirely under the patch.
     """

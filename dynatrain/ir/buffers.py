@@ -9,6 +9,7 @@ Bucket [bs, be) is cut into D equal ranges and optimizer rank r owns the r-th.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -97,18 +98,26 @@ def layout_buffer(
 def owned_ranges(buf: BufferLayout, rank: int) -> tuple[OwnedRange, ...]:
     """What optimizer rank ``rank`` (0 <= rank < D) owns in each bucket of ``buf``."""
     out = []
-    by_bucket: dict[int, list[BufferParam]] = {}
-    for p in buf.params:
-        by_bucket.setdefault(p.bucket, []).append(p)
+    params = buf.params  # placed in increasing start: a rank's share is a run of them
     for b, (bs, be) in enumerate(buf.buckets):
         if (be - bs) % buf.dp_size:  # Megatron asserts this too; a floor would drop the tail
             raise LayoutError(f"bucket {b} of {be - bs} elements does not split "
                               f"{buf.dp_size} ways")
         size = (be - bs) // buf.dp_size
         lo, hi = bs + rank * size, bs + (rank + 1) * size
-        for p in by_bucket.get(b, ()):
+        # The first param ending past lo; buckets hold runs of params, so search them all.
+        i = bisect.bisect_right(params, lo, key=_end)
+        while i < len(params) and params[i].start < hi:
+            p = params[i]
+            i += 1
+            if p.bucket != b:
+                continue
             a, z = max(p.start, lo), min(p.end, hi)
             if a < z:
                 out.append(OwnedRange(p.name, b, (a, z), (a - lo, z - lo), (a - p.start,
                                                                            z - p.start)))
     return tuple(out)
+
+
+def _end(p: BufferParam) -> int:
+    return p.end

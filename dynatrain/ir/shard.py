@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from .box import Box
 from .errors import LayoutError
-from .model import ParamDef
+from .model import ParamDef, TPSplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,43 +41,45 @@ class Shard:
         return tuple(s for _, s in self.param.prepend) + self.param.shape
 
 
-@lru_cache(maxsize=1 << 16)
 def shard(p: ParamDef, tp_rank: int, tp_size: int) -> Shard:
     """Split ``p`` for rank ``tp_rank`` of a ``tp_size``-way group (``p.split.group``)."""
-    pre_off = tuple(i for i, _ in p.prepend)
-    pre_frag = tuple(s for _, s in p.prepend)
-    nd = len(p.shape)
+    local, pieces, frag = _split_template(p.name, p.shape, p.split, tp_rank, tp_size)
+    pre_off = tuple([i for i, _ in p.prepend])
+    pre_one = tuple([i + 1 for i in pre_off])
+    return Shard(p, local, tuple(Piece(lo, Box(pre_off + a, pre_one + z)) for lo, a, z in pieces),
+                 tuple([s for _, s in p.prepend]) + frag)
+
+
+@lru_cache(maxsize=1 << 12)
+def _split_template(name: str, shape: tuple[int, ...], split: TPSplit | None, tp_rank: int,
+                    tp_size: int) -> tuple[tuple[int, ...], tuple, tuple[int, ...]]:
+    """The split of a parameter without its leading axes: (local shape, pieces as (local
+    offset, global lo, global hi), fragments). The same for every layer and expert of a
+    weight, so a 235B MoE layout computes it a few dozen times instead of 50k. ``name``
+    only names the parameter in errors (the cache keys on it too: few distinct names)."""
+    nd = len(shape)
     # SwiGLU stays two pieces even unsplit: Megatron's factory always emits [gate; up] halves.
-    if p.split is None or (tp_size == 1 and not p.split.glu):
-        box = Box.of(pre_off + (0,) * nd, (1,) * len(pre_off) + p.shape)
-        frag = pre_frag + (1,) * nd
-        return Shard(p, p.shape, (Piece((0,) * nd, box),), frag)
-    d = p.split.dim
-    if p.shape[d] % (tp_size * (2 if p.split.glu else 1)):
-        raise LayoutError(f"{p.name}: dim {d} of {p.shape} does not split {tp_size} ways")
-    local = list(p.shape)
+    if split is None or (tp_size == 1 and not split.glu):
+        return shape, (((0,) * nd, (0,) * nd, shape),), (1,) * nd
+    d = split.dim
+    if shape[d] % (tp_size * (2 if split.glu else 1)):
+        raise LayoutError(f"{name}: dim {d} of {shape} does not split {tp_size} ways")
+    local = list(shape)
     local[d] //= tp_size
     frag = [1] * nd
-    frag[d] = tp_size * (2 if p.split.glu else 1)
+    frag[d] = tp_size * (2 if split.glu else 1)
     pieces = []
-    if p.split.glu:
-        half = p.shape[d] // 2
-        chunk = half // tp_size
-        for k in range(2):
-            lo_local = [0] * nd
-            lo_local[d] = k * chunk
-            lo = [0] * nd
-            lo[d] = k * half + tp_rank * chunk
-            size = list(local)
-            size[d] = chunk
-            pieces.append(Piece(tuple(lo_local), Box.of(pre_off + tuple(lo),
-                                                          (1,) * len(pre_off) + tuple(size))))
-    else:
+    halves = 2 if split.glu else 1
+    chunk = shape[d] // halves // tp_size
+    for k in range(halves):
+        lo_local = [0] * nd
+        lo_local[d] = k * chunk
         lo = [0] * nd
-        lo[d] = tp_rank * local[d]
-        pieces.append(Piece((0,) * nd, Box.of(pre_off + tuple(lo),
-                                              (1,) * len(pre_off) + tuple(local))))
-    return Shard(p, tuple(local), tuple(pieces), pre_frag + tuple(frag))
+        lo[d] = k * (shape[d] // halves) + tp_rank * chunk
+        hi = list(local)
+        hi[d] = lo[d] + chunk
+        pieces.append((tuple(lo_local), tuple(lo), tuple(hi)))
+    return tuple(local), tuple(pieces), tuple(frag)
 
 
 def logical_box(p: ParamDef, box: Box, vocab_size: int) -> Box | None:

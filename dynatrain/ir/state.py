@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .box import Box
 from .errors import LayoutError
-from .buffers import BufferLayout, owned_ranges
+from .buffers import BufferLayout, OwnedRange, owned_ranges
 from .layout import Layout
 from .shard import Shard, logical_box
 
@@ -84,6 +84,15 @@ class StackSlot:
     member: ParamSlot | FlatSlot  # the first member's slot; the others differ in name only
     axes: int  # leading dims of the anchor that index members (layer, expert)
     names: tuple[str, ...]  # member names, row-major over the anchor's leading dims
+    # Hashed once: plans key dicts on (key, slot, anchor) per transfer, and hashing hundreds
+    # of names each time cost more than the rest of the verifier's loop.
+    _hash: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.member, self.axes, self.names)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def chunk(self) -> int:
@@ -145,46 +154,55 @@ def _renamed(slot: ParamSlot | FlatSlot, name: str) -> ParamSlot | FlatSlot:
     return FlatSlot(slot.chunk, slot.buffer, name, slot.offset)
 
 
-def stack(entries: list[tuple[int, Stored]]) -> list[Stored]:
-    """Merge congruent entries into ``StackSlot`` families; (leading axes, entry) in.
+STACK_EXPERTS = True  # False: one region per expert weight (the unstacked IR, an oracle for tests)
 
-    Entries with the same key, kinds, slot (name aside) and box past their ``n`` leading
-    axes form a group; the group's leading coordinates are cut into boxes (``grid_boxes``)
-    and each box of two or more members becomes one entry. ``n == 0`` entries pass as they
-    are. Families come out where their group first appeared, so the order stays stable.
+
+class _Families:
+    """Expert weights collected per template and emitted as ``StackSlot`` regions.
+
+    The members of one template (one tensor key, the same regions past their leading axes at
+    the same slot positions) differ only in their leading coordinates and names: the
+    template's regions are computed once and each member costs one dict entry. The leading
+    coordinates of a template's members are cut into boxes (``grid_boxes``); each box of two
+    or more members becomes one region. Templates come out in order of first appearance.
     """
-    groups: dict[tuple, dict[tuple[int, ...], Stored]] = {}
-    out: list[Stored | tuple] = []
-    for n, s in entries:
-        if n == 0:
-            out.append(s)
-            continue
-        sl = s.slot
-        where = ((sl.chunk, sl.local_offset) if type(sl) is ParamSlot
-                 else (sl.chunk, sl.buffer, sl.offset))
-        sig = (n, s.key, s.kinds, s.primary, type(sl), where, s.box.lo[n:], s.box.hi[n:])
-        g = groups.get(sig)
+
+    def __init__(self, kinds: tuple[str, ...]) -> None:
+        self.kinds = kinds
+        self.groups: dict[tuple, tuple[tuple, dict[tuple[int, ...], str]]] = {}
+        self.order: list[tuple | Stored] = []
+
+    def add(self, sig: tuple, lead: tuple[int, ...], name: str, template) -> None:
+        """Member ``name`` at ``lead`` of the template ``sig``; ``template()`` gives the
+        template's (key, primary, leading axes, ((trailing lo, trailing hi, slot), ...))
+        the first time ``sig`` is seen (the slot's name is replaced per member)."""
+        g = self.groups.get(sig)
         if g is None:
-            g = groups[sig] = {}
-            out.append(sig)
-        g[s.box.lo[:n]] = s
-    result: list[Stored] = []
-    for item in out:
-        if isinstance(item, Stored):
-            result.append(item)
-            continue
-        n, tail_lo, tail_hi = item[0], item[6], item[7]
-        g = groups[item]
-        for lo, hi in grid_boxes(sorted(g)):
-            pts = list(itertools.product(*(range(a, b) for a, b in zip(lo, hi))))
-            first = g[pts[0]]
-            if len(pts) == 1:
-                result.append(first)
+            g = self.groups[sig] = (template(), {})
+            self.order.append(sig)
+        g[1][lead] = name
+
+    def plain(self, s: Stored) -> None:
+        """An entry that is not stacked, kept in its place."""
+        self.order.append(s)
+
+    def stored(self) -> list[Stored]:
+        out: list[Stored] = []
+        for item in self.order:
+            if isinstance(item, Stored):
+                out.append(item)
                 continue
-            slot = StackSlot(first.slot, n, tuple(g[p].slot.name for p in pts))
-            result.append(Stored(first.key, first.kinds, Box(lo + tail_lo, hi + tail_hi),
-                                 slot, first.primary))
-    return result
+            (key, primary, npre, parts), names = self.groups[item]
+            boxes = grid_boxes(sorted(names))
+            for t_lo, t_hi, slot in parts:
+                for lo, hi in boxes:
+                    pts = itertools.product(*(range(a, b) for a, b in zip(lo, hi)))
+                    grid = tuple(names[p] for p in pts)
+                    box = Box(lo + t_lo, hi + t_hi)
+                    first = _renamed(slot, grid[0])
+                    out.append(Stored(key, self.kinds, box, first if len(grid) == 1 else
+                                      StackSlot(first, npre, grid), primary))
+        return out
 
 
 def grid_boxes(points: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -192,6 +210,16 @@ def grid_boxes(points: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], tup
     merged over consecutive indices of the axes before that cover the same runs."""
     if not points[0]:
         return [((), ())]
+    if len(points[0]) == 1:  # runs
+        runs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        start = prev_x = points[0][0]
+        for (x,) in points[1:]:
+            if x != prev_x + 1:
+                runs.append(((start,), (prev_x + 1,)))
+                start = x
+            prev_x = x
+        runs.append(((start,), (prev_x + 1,)))
+        return runs
     out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     prev: list | None = None  # [head lo, head hi, the rest's boxes]
 
@@ -447,23 +475,35 @@ class StateView:
         out: list[Stored] = []
         for cs in L._shards(*model):
             vp = cs.chunk.vp
-            entries = []  # (leading axes to stack over, entry): expert weights only
+            fam = _Families(kinds)
             for sh in cs.shards:
                 if sh.param.expert != expert:
                     continue
-                primary = not sh.param.tied_copy
-                npre = len(sh.param.prepend)
+                p = sh.param
+                if expert and STACK_EXPERTS:  # congruent experts share one template
+                    fam.add((p.key, p.shape, p.split, sh.local_shape),
+                            tuple([i for i, _ in p.prepend]), p.name,
+                            lambda sh=sh: self._param_template(sh, vp))
+                    continue
                 parts = local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, V)
-                for lo, box in merge_adjacent(parts, npre):
-                    entries.append((npre if expert else 0, Stored(
-                        sh.param.key, kinds, box, ParamSlot(vp, sh.param.name, lo), primary)))
-            out += stack(entries)
+                for lo, box in merge_adjacent(parts, len(p.prepend)):
+                    out.append(Stored(p.key, kinds, box, ParamSlot(vp, p.name, lo),
+                                      not p.tied_copy))
+            out += fam.stored()
             if not expert:
                 for b in cs.buffers:
                     pre = tuple(i for i, _ in b.prepend)
                     box = Box.of(pre + (0,) * len(b.shape), (1,) * len(pre) + b.shape)
                     out.append(Stored(b.key, ("buffer",), box, BufferSlot(vp, b.name)))
         return out
+
+    def _param_template(self, sh: Shard, vp: int) -> tuple:
+        """An expert weight's module-param regions past its leading axes (``_Families``)."""
+        npre = len(sh.param.prepend)
+        parts = local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, self.vocab_rows)
+        return (sh.param.key, not sh.param.tied_copy, npre,
+                tuple((box.lo[npre:], box.hi[npre:], ParamSlot(vp, sh.param.name, lo))
+                      for lo, box in merge_adjacent(parts, npre)))
 
     @lru_cache(maxsize=1 << 14)
     def _shard_stored(self, model: tuple[int, int, int, int], dense_rank: int,
@@ -502,19 +542,38 @@ class StateView:
         opt_kinds = tuple(k for k in self.kinds if k != "param")
         by_name = {sh.param.name: sh for cs in L._shards(*model) if cs.chunk.vp == buf.chunk
                    for sh in cs.shards}
-        entries: list[tuple[int, Stored]] = []  # (leading axes to stack over, entry)
+        fam = _Families(opt_kinds)
         for o in owned_ranges(buf, opt_rank):
             sh = by_name[o.name]
-            npre = len(sh.param.prepend)
-            for lo, size in flat_boxes(sh.local_shape, *o.param):
-                start = _flat_index(sh.local_shape, lo) - o.param[0]
-                parts = local_to_global(sh, lo, size, V)
-                for plo, box in merge_adjacent(parts, npre, sh.local_shape):
-                    off = start + _flat_index(sh.local_shape, plo) - _flat_index(sh.local_shape, lo)
-                    entries.append((npre if sh.param.expert else 0, Stored(
-                        sh.param.key, opt_kinds, box, FlatSlot(buf.chunk, bi, o.name, off),
-                        not sh.param.tied_copy)))
-        return tuple(stack(entries))
+            if sh.param.expert and STACK_EXPERTS:  # congruent experts share one template
+                p = sh.param
+                fam.add((p.key, p.shape, p.split, sh.local_shape, o.param),
+                        tuple([i for i, _ in p.prepend]), p.name,
+                        lambda sh=sh, o=o: self._flat_template(sh, o, buf.chunk, bi))
+                continue
+            for box, slot in self._flat_regions(sh, o, buf.chunk, bi):
+                fam.plain(Stored(sh.param.key, opt_kinds, box, slot, not sh.param.tied_copy))
+        return tuple(fam.stored())
+
+    def _flat_regions(self, sh: Shard, o: OwnedRange, chunk: int, bi: int
+                      ) -> list[tuple[Box, FlatSlot]]:
+        """The regions of the part ``o`` of a parameter that an optimizer shard holds."""
+        out = []
+        shape, npre = sh.local_shape, len(sh.param.prepend)
+        for lo, size in flat_boxes(shape, *o.param):
+            start = _flat_index(shape, lo) - o.param[0]
+            parts = local_to_global(sh, lo, size, self.vocab_rows)
+            for plo, box in merge_adjacent(parts, npre, shape):
+                off = start + _flat_index(shape, plo) - _flat_index(shape, lo)
+                out.append((box, FlatSlot(chunk, bi, o.name, off)))
+        return out
+
+    def _flat_template(self, sh: Shard, o: OwnedRange, chunk: int, bi: int) -> tuple:
+        """An expert weight's optimizer-shard regions past its leading axes (``_Families``)."""
+        npre = len(sh.param.prepend)
+        return (sh.param.key, not sh.param.tied_copy, npre,
+                tuple((box.lo[npre:], box.hi[npre:], slot)
+                      for box, slot in self._flat_regions(sh, o, chunk, bi)))
 
 
 def slot_key(kind: str, slot: Slot) -> tuple:

@@ -47,10 +47,12 @@ class Message:
     src_device: str
     dst_device: str
     transfers: tuple[Transfer, ...]
+    # Summed once: the scheduler, cost model and verifier ask for it hundreds of thousands
+    # of times on large plans.
+    nbytes: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(t.nbytes for t in self.transfers))
 
     @property
     def local(self) -> bool:

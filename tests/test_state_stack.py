@@ -179,7 +179,7 @@ LAYOUTS = [
 
 def _no_stacking(mp: pytest.MonkeyPatch) -> None:
     """Switch stacking off: every expert weight takes the per-weight path (no templates)."""
-    mp.setattr(state_mod, "STACK_EXPERTS", False)
+    mp.setattr(state_mod, "STACK_FAMILIES", False)
 
 
 def _views(spec, monkeypatch) -> tuple[StateView, StateView]:

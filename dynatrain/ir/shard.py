@@ -43,33 +43,40 @@ class Shard:
 
 def shard(p: ParamDef, tp_rank: int, tp_size: int) -> Shard:
     """Split ``p`` for rank ``tp_rank`` of a ``tp_size``-way group (``p.split.group``)."""
-    local, pieces, frag = _split_template(p.name, p.shape, p.split, tp_rank, tp_size)
+    template = _split_template(p.shape, p.split, tp_rank, tp_size)
+    if template is None:
+        raise LayoutError(f"{p.name}: dim {p.split.dim} of {p.shape} does not split "
+                          f"{tp_size} ways")
+    local, pieces, frag = template
+    if not p.prepend:
+        return Shard(p, local, tuple([Piece(lo, Box(a, z)) for lo, a, z in pieces]), frag)
     pre_off = tuple([i for i, _ in p.prepend])
     pre_one = tuple([i + 1 for i in pre_off])
-    return Shard(p, local, tuple(Piece(lo, Box(pre_off + a, pre_one + z)) for lo, a, z in pieces),
+    return Shard(p, local, tuple([Piece(lo, Box(pre_off + a, pre_one + z))
+                                  for lo, a, z in pieces]),
                  tuple([s for _, s in p.prepend]) + frag)
 
 
 @lru_cache(maxsize=1 << 12)
-def _split_template(name: str, shape: tuple[int, ...], split: TPSplit | None, tp_rank: int,
-                    tp_size: int) -> tuple[tuple[int, ...], tuple, tuple[int, ...]]:
+def _split_template(shape: tuple[int, ...], split: TPSplit | None, tp_rank: int, tp_size: int
+                    ) -> tuple[tuple[int, ...], tuple, tuple[int, ...]] | None:
     """The split of a parameter without its leading axes: (local shape, pieces as (local
-    offset, global lo, global hi), fragments). The same for every layer and expert of a
-    weight, so a 235B MoE layout computes it a few dozen times instead of 50k. ``name``
-    only names the parameter in errors (the cache keys on it too: few distinct names)."""
+    offset, global lo, global hi), fragments), or None if the split dim does not divide.
+    The same for every layer and expert of a weight, so a 235B MoE layout computes it a few
+    dozen times instead of 50k."""
     nd = len(shape)
     # SwiGLU stays two pieces even unsplit: Megatron's factory always emits [gate; up] halves.
     if split is None or (tp_size == 1 and not split.glu):
         return shape, (((0,) * nd, (0,) * nd, shape),), (1,) * nd
     d = split.dim
-    if shape[d] % (tp_size * (2 if split.glu else 1)):
-        raise LayoutError(f"{name}: dim {d} of {shape} does not split {tp_size} ways")
+    halves = 2 if split.glu else 1
+    if shape[d] % (tp_size * halves):
+        return None
     local = list(shape)
     local[d] //= tp_size
     frag = [1] * nd
-    frag[d] = tp_size * (2 if split.glu else 1)
+    frag[d] = tp_size * halves
     pieces = []
-    halves = 2 if split.glu else 1
     chunk = shape[d] // halves // tp_size
     for k in range(halves):
         lo_local = [0] * nd

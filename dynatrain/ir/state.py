@@ -74,11 +74,12 @@ class BufferSlot:
 class StackSlot:
     """A family of slots that differ in name only, one per index of the anchor's leading axes.
 
-    Each expert of a chunk is its own module parameter (and DistributedOptimizer shard), but
-    the experts of a stage hold congruent boxes at one local position: a single region over
-    their (layer, expert) grid stands for all of them, so the planner and the verifier work
-    per grid instead of per weight (the 235B MoE switch: ~24k expert weights per side).
-    ``members`` expands a region of it into the members' own slots, as storage sees them.
+    Each layer's weight (and each expert's) is its own module parameter and DistributedOptimizer
+    shard, but the layers and experts of a stage hold congruent boxes at one local position: a
+    single region over their (layer[, expert]) grid stands for all of them, so the planner and
+    the verifier work per grid instead of per weight (the 235B MoE switch: ~24k expert weights
+    per side). ``members`` expands a region of it into the members' own slots, as storage
+    sees them.
     """
 
     member: ParamSlot | FlatSlot  # the first member's slot; the others differ in name only
@@ -154,11 +155,11 @@ def _renamed(slot: ParamSlot | FlatSlot, name: str) -> ParamSlot | FlatSlot:
     return FlatSlot(slot.chunk, slot.buffer, name, slot.offset)
 
 
-STACK_EXPERTS = True  # False: one region per expert weight (the unstacked IR, an oracle for tests)
+STACK_FAMILIES = True  # False: one region per weight (the unstacked IR, an oracle for tests)
 
 
 class _Families:
-    """Expert weights collected per template and emitted as ``StackSlot`` regions.
+    """Layer- or expert-stacked weights collected per template, emitted as ``StackSlot`` regions.
 
     The members of one template (one tensor key, the same regions past their leading axes at
     the same slot positions) differ only in their leading coordinates and names: the
@@ -480,7 +481,7 @@ class StateView:
                 if sh.param.expert != expert:
                     continue
                 p = sh.param
-                if expert and STACK_EXPERTS:  # congruent experts share one template
+                if p.prepend and STACK_FAMILIES:  # layer/expert-stacked: one template
                     fam.add((p.key, p.shape, p.split, sh.local_shape),
                             tuple([i for i, _ in p.prepend]), p.name,
                             lambda sh=sh: self._param_template(sh, vp))
@@ -498,7 +499,7 @@ class StateView:
         return out
 
     def _param_template(self, sh: Shard, vp: int) -> tuple:
-        """An expert weight's module-param regions past its leading axes (``_Families``)."""
+        """A stacked weight's module-param regions past its leading axes (``_Families``)."""
         npre = len(sh.param.prepend)
         parts = local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, self.vocab_rows)
         return (sh.param.key, not sh.param.tied_copy, npre,
@@ -545,7 +546,7 @@ class StateView:
         fam = _Families(opt_kinds)
         for o in owned_ranges(buf, opt_rank):
             sh = by_name[o.name]
-            if sh.param.expert and STACK_EXPERTS:  # congruent experts share one template
+            if sh.param.prepend and STACK_FAMILIES:  # layer/expert-stacked: one template
                 p = sh.param
                 fam.add((p.key, p.shape, p.split, sh.local_shape, o.param),
                         tuple([i for i, _ in p.prepend]), p.name,
@@ -569,7 +570,7 @@ class StateView:
         return out
 
     def _flat_template(self, sh: Shard, o: OwnedRange, chunk: int, bi: int) -> tuple:
-        """An expert weight's optimizer-shard regions past its leading axes (``_Families``)."""
+        """A stacked weight's optimizer-shard regions past its leading axes (``_Families``)."""
         npre = len(sh.param.prepend)
         return (sh.param.key, not sh.param.tied_copy, npre,
                 tuple((box.lo[npre:], box.hi[npre:], slot)

@@ -263,13 +263,17 @@ def _fqn(key: str, kind: str) -> str:
 
 
 def _boxes_by_fqn(view: StateView, rank: int, primary_only: bool) -> dict[str, set]:
-    """The distinct boxes ``rank`` holds, per DCP key (one key per logical tensor)."""
+    """The distinct boxes ``rank`` holds, per DCP key (one key per logical tensor).
+
+    One box per storage tensor (``regions``: each layer's and expert's weight apart), as
+    megatron-core's sharded state dict gives DCP one chunk per module parameter; the IR's
+    stacked regions are the planner's own economy, not DCP's.
+    """
     out: dict[str, set] = {}
-    for st in view.stored(rank):
-        if primary_only and not st.primary:  # a tied copy is not saved twice
+    for reg in view.regions(rank):
+        if primary_only and not reg.primary:  # a tied copy is not saved twice
             continue
-        for kind in st.kinds:
-            out.setdefault(_fqn(st.key, kind), set()).add(st.box)
+        out.setdefault(_fqn(reg.key, reg.kind), set()).add(reg.box)
     return out
 
 

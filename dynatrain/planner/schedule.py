@@ -127,9 +127,10 @@ def schedule_rounds(messages: list[Message], budget: int, topo: Topology | None 
     evenly), largest first among equals, each to the round whose busiest link it lengthens
     least, then where its slower endpoint finishes earliest, among rounds with room. Packing
     starts with the fewest rounds the busiest direction allows; a message that fits in none
-    opens one more, which later messages fill too. (Restarting with more rounds instead gave
-    1.022x and 1.070x of the lower bound on the shipped MoE switches where this gives 1.035x
-    and 1.055x, and cost a full pass per try: half the pass's time on the 235B switch.)
+    opens one more. If that happened, packing runs once more with every round it ended with
+    open from the start, so that traffic spreads evenly over all of them (rounds opened late
+    for leftovers each cost a round's latency and their busiest link). Two passes at most:
+    growing one round or n/8 at a time took three on the 235B switch.
     """
     topo = topo or Topology()
     local = [m for m in messages if m.local]
@@ -162,7 +163,11 @@ def schedule_rounds(messages: list[Message], budget: int, topo: Topology | None 
     order = sorted(range(len(jobs)), key=lambda j: (
         -max(link_seconds[jobs[j][3]], link_seconds[jobs[j][4]]), -jobs[j][2], j))
     n = max((-(-v // half) for v in total_out + total_in), default=0)
-    placed = _pack([jobs[j] for j in order], n, half, len(devices))
+    ordered = [jobs[j] for j in order]
+    placed = _pack(ordered, n, half, len(devices))
+    used = max(placed, default=-1) + 1
+    if used > n:  # rounds opened late hold leftovers: pack again, all of them open from the start
+        placed = _pack(ordered, used, half, len(devices))
     rounds: list[list[Message]] = [[] for _ in range(max(placed, default=-1) + 1)]
     for j, i in zip(order, placed):
         rounds[i].append(remote[j])

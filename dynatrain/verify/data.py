@@ -61,8 +61,13 @@ def expert_keys(view: StateView) -> frozenset[str]:
     """Checkpoint keys of expert weights (the EP/ETP grid) in a layout."""
     L = view.layout
     keys = set()
+    seen: set[int] = set()
     for rank in range(L.world):
-        for cs in L.rank_shards(rank):
+        shards = L.rank_shards(rank)  # cached per model-parallel class: look at each once
+        if id(shards) in seen:
+            continue
+        seen.add(id(shards))
+        for cs in shards:
             keys.update(sh.param.key for sh in cs.shards if sh.param.expert)
         if L.parallel.ep == 1:  # without EP every rank holds every expert: one rank is enough
             break

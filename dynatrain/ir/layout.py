@@ -131,25 +131,45 @@ class Layout:
 
     @lru_cache(maxsize=4096)
     def _buffers(self, pp: int, tp: int, ep: int, etp: int) -> tuple[BufferLayout, ...]:
-        p, dtype = self.parallel, self.spec.state.param
-        inst = p.num_distributed_optimizer_instances
+        if self.parallel.ep > 1:  # experts have buffers of their own: build each kind once
+            dense, expert = self._group_buffers(pp, False, 0, tp), self._group_buffers(pp, True,
+                                                                                        ep, etp)
+            return tuple(b for pair in zip(dense, expert) for b in pair if b is not None)
         out = []
         for cs in self._shards(pp, tp, ep, etp):
-            # Megatron disables bucketing beyond chunk 0 and on pipeline ranks > 0.
-            size = None
-            if p.overlap_grad_reduce and cs.chunk.vp == 0 and pp == 0:
-                size = p.bucket_size or max(40_000_000, 1_000_000 * self.dp)
             for expert in (False, True):
-                members = tuple(
-                    (s.param.name, math.prod(s.local_shape), s.param.shared_embedding)
-                    for s in cs.shards if self.expert_in_own_buffer(s.param) == expert
-                )
-                if not members:
-                    continue
-                dp_size = (self.edp if expert else self.dp * p.cp) // inst
-                out.append(layout_buffer(cs.chunk.vp, expert, dtype, members, dp_size, size,
-                                         p.use_distributed_optimizer))
+                b = self._chunk_buffer(pp, cs.chunk.vp, expert, tuple(
+                    s for s in cs.shards if self.expert_in_own_buffer(s.param) == expert))
+                if b is not None:
+                    out.append(b)
         return tuple(out)
+
+    @lru_cache(maxsize=4096)
+    def _group_buffers(self, pp: int, expert: bool, ep: int, rank: int
+                       ) -> tuple[BufferLayout | None, ...]:
+        """Per chunk of stage ``pp`` (EP > 1), the buffer of its expert params on EP rank
+        ``ep``, ETP rank ``rank`` (or of its dense params on TP rank ``rank``); None if empty.
+        The dense buffer is the same on every EP rank and the expert one on every TP rank."""
+        return tuple(self._chunk_buffer(pp, ch.vp, expert, tuple(s for s in shards if s))
+                     for ch, (shards, _) in zip(self.chunks(pp),
+                                               self._split(pp, expert, ep, rank)))
+
+    def _chunk_buffer(self, pp: int, vp: int, expert: bool, shards: tuple[Shard, ...]
+                      ) -> BufferLayout | None:
+        """The DDP buffer holding ``shards`` (one chunk's dense or expert params, in order)."""
+        if not shards:
+            return None
+        p, dtype = self.parallel, self.spec.state.param
+        inst = p.num_distributed_optimizer_instances
+        # Megatron disables bucketing beyond chunk 0 and on pipeline ranks > 0.
+        size = None
+        if p.overlap_grad_reduce and vp == 0 and pp == 0:
+            size = p.bucket_size or max(40_000_000, 1_000_000 * self.dp)
+        members = tuple((s.param.name, math.prod(s.local_shape), s.param.shared_embedding)
+                        for s in shards)
+        dp_size = (self.edp if expert else self.dp * p.cp) // inst
+        return layout_buffer(vp, expert, dtype, members, dp_size, size,
+                             p.use_distributed_optimizer)
 
     def optimizer_rank(self, rank: int, expert: bool) -> int:
         """The rank's index in the group that shards a (dense or expert) buffer."""

@@ -183,37 +183,37 @@ def schedule_rounds(messages: list[Message], budget: int, topo: Topology | None 
 def _pack(jobs: list[tuple[int, int, int, int, int, float]], n: int, half: int,
           ndev: int) -> list[int]:
     """Round of each job, starting from ``n`` rounds and opening one where a job fits none."""
-    out_used = [[0] * ndev for _ in range(n)]
-    in_used = [[0] * ndev for _ in range(n)]
-    busy = [[0.0] * (4 * ndev) for _ in range(n)]
+    # Per device (or link counter), its value in each round: a job scans the rounds of its
+    # own two devices and two links, the loop that runs messages x rounds times.
+    out_used = [[0] * n for _ in range(ndev)]
+    in_used = [[0] * n for _ in range(ndev)]
+    busy = [[0.0] * n for _ in range(4 * ndev)]
     longest = [0.0] * n  # each round's busiest link so far
     placed = []
     for s, d, size, ko, ki, t in jobs:
-        # Score (growth of the round's busiest link, finish time, round) compared inline:
-        # this loop runs messages x rounds times.
+        ou, iu, bo_l, bi_l = out_used[s], in_used[d], busy[ko], busy[ki]
+        room_o, room_i = half - size, half - size
+        # Score (growth of the round's busiest link, finish time, round) compared inline.
         best, best_grow, best_finish = -1, 0.0, 0.0
-        for i in range(len(longest)):
-            if out_used[i][s] + size > half or in_used[i][d] + size > half:
+        for i, (o, u, bo, bi, top) in enumerate(zip(ou, iu, bo_l, bi_l, longest)):
+            if o > room_o or u > room_i:
                 continue
-            b = busy[i]
-            bo, bi = b[ko], b[ki]
             finish = (bo if bo > bi else bi) + t
-            grow = finish - longest[i]
+            grow = finish - top
             if grow < 0.0:
                 grow = 0.0
             if best < 0 or grow < best_grow or (grow == best_grow and finish < best_finish):
                 best, best_grow, best_finish = i, grow, finish
         if best < 0:  # fits in no round: open one (a job never exceeds half, so it fits)
-            out_used.append([0] * ndev)
-            in_used.append([0] * ndev)
-            busy.append([0.0] * (4 * ndev))
+            for rows in (out_used, in_used, busy):
+                for row in rows:
+                    row.append(0)
             longest.append(0.0)
             best, best_finish = len(longest) - 1, t
-        out_used[best][s] += size
-        in_used[best][d] += size
-        b = busy[best]
-        b[ko] += t
-        b[ki] += t
+        ou[best] += size
+        iu[best] += size
+        bo_l[best] += t
+        bi_l[best] += t
         if best_finish > longest[best]:
             longest[best] = best_finish
         placed.append(best)

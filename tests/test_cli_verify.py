@@ -49,8 +49,12 @@ def test_hand_edited_plan_fails_with_rule_and_witness(tmp_path, capsys) -> None:
 
 def test_old_format_without_specs_needs_them_on_the_command_line(tmp_path, capsys) -> None:
     doc = _save_plan(tmp_path, capsys)
-    old = {k: v for k, v in doc.items() if k not in ("src_spec", "dst_spec", "order")}
+    old = {k: v for k, v in doc.items() if k not in ("src_spec", "dst_spec", "order", "slots")}
     old["format"] = "dynatrain.plan/1"
+    for r in old["rounds"]:  # /1 gave each slot in place
+        for m in r:
+            for t in m["transfers"]:
+                t[5], t[7] = doc["slots"][t[5]], doc["slots"][t[7]]
     assert _verify(tmp_path, old) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no src_spec" in err[0] and "--src" in err[0]

@@ -362,9 +362,11 @@ def test_plan_with_families_round_trips_through_json() -> None:
     _, _, plan = _plan(src, dst, budget)
     doc = json.loads(json.dumps(plan_to_json(plan)))
     assert doc["format"] == "dynatrain.plan/3"
+    slots = doc["slots"]  # listed once, named by index from the transfers
     stacks = [t for r in doc["rounds"] for m in r for t in m["transfers"]
-              if t[5][0] == "stack" or t[7][0] == "stack"]
+              if slots[t[5]][0] == "stack" or slots[t[7]][0] == "stack"]
     assert stacks
+    assert len({json.dumps(v) for v in slots}) == len(slots)  # each slot once
     back = plan_from_json(doc)
     assert back.rounds == plan.rounds
     assert back == plan
@@ -383,8 +385,10 @@ def test_malformed_stack_slot_is_refused(bad) -> None:
     name, src, dst, budget = TRANSITIONS[0]
     _, _, plan = _plan(src, dst, budget)
     doc = json.loads(json.dumps(plan_to_json(plan)))
-    t = next(t for r in doc["rounds"] for m in r for t in m["transfers"] if t[5][0] == "stack")
-    t[5] = bad
+    slots = doc["slots"]
+    t = next(t for r in doc["rounds"] for m in r for t in m["transfers"]
+             if slots[t[5]][0] == "stack")
+    slots[t[5]] = bad
     with pytest.raises(DynatrainError):
         plan_from_json(doc)
 
@@ -397,11 +401,26 @@ def test_a_parseable_but_wrong_family_is_reported_not_crashed_on(end, corrupt) -
     name, src_spec, dst_spec, budget = TRANSITIONS[0]
     src, dst, plan = _plan(src_spec, dst_spec, budget)
     doc = json.loads(json.dumps(plan_to_json(plan)))
-    t = next(t for r in doc["rounds"] for m in r for t in m["transfers"] if t[end][0] == "stack")
+    slots = doc["slots"]
+    t = next(t for r in doc["rounds"] for m in r for t in m["transfers"]
+             if slots[t[end]][0] == "stack")
+    slot = json.loads(json.dumps(slots[t[end]]))  # a copy for this transfer alone
+    t[end] = len(slots)
+    slots.append(slot)
     if corrupt == "names":
-        t[end][3] = t[end][3][:1]
+        slot[3] = slot[3][:1]
     else:
-        t[end][1] = 3
+        slot[1] = 3
     report = verify(plan_from_json(doc), src, dst)
     assert not report.ok
     assert report.rules() == ({"source"} if end == 5 else {"coverage"})
+
+
+@pytest.mark.parametrize("ref", [-1, 10 ** 6, "0", None])
+def test_slot_reference_outside_the_table_is_refused(ref) -> None:
+    name, src, dst, budget = TRANSITIONS[0]
+    _, _, plan = _plan(src, dst, budget)
+    doc = json.loads(json.dumps(plan_to_json(plan)))
+    doc["rounds"][0][0]["transfers"][0][7] = ref
+    with pytest.raises(DynatrainError, match="malformed"):
+        plan_from_json(doc)

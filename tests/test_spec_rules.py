@@ -151,6 +151,9 @@ BROKEN = [
      "parallel.etp", "add_bias_linear needs etp=1"),
     ("ep1-etp-ne-tp-distributed-optimizer", MOE, {"parallel.tp": 2, "parallel.etp": 1},
      "parallel.etp", "etp != tp with ep=1"),
+    ("ep1-cp-before-tp-distributed-optimizer", MOE,
+     {"parallel.tp": 2, "parallel.cp": 2, "parallel.order": "cp-tp-ep-dp-pp"},
+     "parallel.order", "different expert-TP slices"),
     # ---- pipeline ------------------------------------------------------------------------
     ("vpp-needs-pp", DENSE, {"parallel.vpp": 2}, "parallel.vpp", "needs pp > 1"),
     ("uneven-needs-pp", DENSE, {"parallel.decoder_first_pipeline_num_layers": 4},
@@ -238,6 +241,13 @@ def test_broken_rule_is_named(base, changes, field, fragment):
 
 # Specs right at the edge of a rule: each must load and compile.
 ALLOWED = [
+    # The edges of the rule above: tp before cp, ep > 1, or no distributed optimizer.
+    ("ep1-tp-before-cp", MOE, {"parallel.tp": 2, "parallel.cp": 2}),
+    ("ep2-cp-before-tp", MOE,
+     {"parallel.tp": 2, "parallel.cp": 2, "parallel.ep": 2, "parallel.order": "cp-tp-ep-dp-pp"}),
+    ("ep1-cp-before-tp-no-distributed-optimizer", MOE,
+     {"parallel.tp": 2, "parallel.cp": 2, "parallel.order": "cp-tp-ep-dp-pp",
+      "parallel.use_distributed_optimizer": False}),
     ("gqa-fewer-groups-than-tp", DENSE,
      {"model.num_query_groups": 2, "parallel.tp": 4}),
     ("gqa-one-group", DENSE, {"model.num_query_groups": 1, "parallel.tp": 8}),

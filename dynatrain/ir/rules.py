@@ -150,6 +150,31 @@ def _check_parallel(spec: LayoutSpec) -> None:
           "etp != tp with ep=1 puts different expert slices at the same dense-buffer offsets "
           "under the distributed optimizer, so megatron-core silently loses optimizer state; "
           "use ep>1 or etp=tp", etp)
+    if p.ep == 1 and p.use_distributed_optimizer and p.cp > 1:
+        _check_expert_slices_align(spec, dp, edp)
+
+
+def _check_expert_slices_align(spec: LayoutSpec, dp: int, edp: int) -> None:
+    """With ep=1 the experts sit in the dense buffer, which the distributed optimizer shards
+    over each dense DP x CP group: its ranks must hold the same expert-TP slice. The expert
+    grid has no cp, so an order with cp before tp gives them different slices (the etp != tp
+    case again: different slices at the same buffer offsets, optimizer state lost)."""
+    from .mesh import Mesh  # local, as in _check_same_pp_groups
+
+    p = spec.parallel
+    mesh = Mesh(p.order, tp=p.tp, cp=p.cp, dp=dp, pp=p.pp, ep=p.ep, etp=p.expert_tp, edp=edp)
+    seen: set[int] = set()
+    for rank in range(mesh.world):
+        if rank in seen:
+            continue
+        group = mesh.dense.group(rank, ("dp", "cp"))
+        seen.update(group)
+        slices = {mesh.coords(r).etp for r in group}
+        _need(len(slices) == 1, "parallel.order",
+              f"gives the data-parallel group {list(group)[:8]} different expert-TP slices "
+              f"{sorted(slices)} in the dense buffer (ep=1, cp={p.cp}), so megatron-core's "
+              "distributed optimizer silently loses optimizer state; put tp before cp in the "
+              "order or use ep>1", p.order)
 
 
 def _check_same_pp_groups(spec: LayoutSpec, dp: int, edp: int) -> None:

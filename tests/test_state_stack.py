@@ -416,11 +416,44 @@ def test_a_parseable_but_wrong_family_is_reported_not_crashed_on(end, corrupt) -
     assert report.rules() == ({"source"} if end == 5 else {"coverage"})
 
 
-@pytest.mark.parametrize("ref", [-1, 10 ** 6, "0", None])
+@pytest.mark.parametrize("ref", [-1, 10 ** 6, "0", None, True])
 def test_slot_reference_outside_the_table_is_refused(ref) -> None:
     name, src, dst, budget = TRANSITIONS[0]
     _, _, plan = _plan(src, dst, budget)
     doc = json.loads(json.dumps(plan_to_json(plan)))
     doc["rounds"][0][0]["transfers"][0][7] = ref
     with pytest.raises(DynatrainError, match="malformed"):
+        plan_from_json(doc)
+
+
+def test_members_refuses_boxes_outside_the_family() -> None:
+    fam = StackSlot(ParamSlot(0, "w2", (0,)), 1, ("w2", "w3"))
+    anchor = Box((2, 0), (4, 8))
+    assert [m[0].name for m in members(fam, anchor, Box((3, 0), (4, 8)))] == ["w3"]
+    for box in (Box((1, 0), (2, 8)), Box((3, 0), (5, 8)), Box((2,), (3,))):
+        with pytest.raises(LayoutError, match="not a part of"):
+            members(fam, anchor, box)
+    short = StackSlot(ParamSlot(0, "w2", (0,)), 1, ("w2",))
+    with pytest.raises(LayoutError, match="1-member family"):
+        members(short, anchor, Box((2, 0), (3, 8)))
+
+
+def test_stack_slot_pickles_by_value() -> None:
+    import pickle
+
+    fam = StackSlot(FlatSlot(0, 1, "a", 0), 2, ("a", "b", "c", "d"))
+    back = pickle.loads(pickle.dumps(fam))
+    assert back == fam and hash(back) == hash(fam) and back._hash == hash(
+        (fam.member, fam.axes, fam.names))
+
+
+def test_deeply_nested_stack_slot_is_refused_cleanly() -> None:
+    name, src, dst, budget = TRANSITIONS[0]
+    _, _, plan = _plan(src, dst, budget)
+    doc = plan_to_json(plan)
+    nested: list = ["param", 0, "a", [0, 0]]
+    for _ in range(3000):
+        nested = ["stack", 1, nested, ["a", "b"]]
+    doc["slots"][0] = nested
+    with pytest.raises(DynatrainError, match="member must be a param or flat slot"):
         plan_from_json(doc)

@@ -95,6 +95,9 @@ class StackSlot:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):  # rebuilt, so the hash is this process's (string hashes are salted)
+        return StackSlot, (self.member, self.axes, self.names)
+
     @property
     def chunk(self) -> int:
         return self.member.chunk
@@ -134,11 +137,20 @@ def members(slot: Slot, anchor: Box, box: Box) -> list[tuple[Slot, Box, Box]]:
 
     A plain slot is its own only member. For a ``StackSlot`` the members are the indices of
     ``box``'s leading axes, row-major: both ends of a transfer expand one box alike.
+
+    Raises:
+        LayoutError: a family whose names do not match its anchor's leading axes, or ``box``
+            outside ``anchor`` on them (a plan nobody verified).
     """
     if type(slot) is not StackSlot:
         return [(slot, anchor, box)]
     n, m = slot.axes, slot.member
     lead = anchor.shape[:n]
+    if not (0 < n <= len(anchor.lo) == len(box.lo) and len(slot.names) == math.prod(lead)
+            and all(a <= l < h <= z for l, h, a, z in zip(box.lo[:n], box.hi[:n], anchor.lo,
+                                                          anchor.hi))):
+        raise LayoutError(f"box {box} is not a part of the {len(slot.names)}-member family "
+                          f"over {anchor} ({n} leading axes)")
     tail_alo, tail_ahi = anchor.lo[n:], anchor.hi[n:]
     out = []
     for idx in itertools.product(*(range(l, h) for l, h in zip(box.lo[:n], box.hi[:n]))):

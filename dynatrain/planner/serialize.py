@@ -33,10 +33,10 @@ def _unslot(v: list) -> Slot:
     if v[0] == "buffer":
         return BufferSlot(int(v[1]), str(v[2]))
     if v[0] == "stack":
-        member = _unslot(v[2])
-        if not isinstance(member, (ParamSlot, FlatSlot)) or not isinstance(v[3], list):
+        if not isinstance(v[2], list) or v[2][:1] not in (["param"], ["flat"]) or not (
+                isinstance(v[3], list)):
             raise DynatrainError("plan: a stack slot's member must be a param or flat slot")
-        return StackSlot(member, int(v[1]), tuple(str(n) for n in v[3]))
+        return StackSlot(_unslot(v[2]), int(v[1]), tuple(str(n) for n in v[3]))
     raise DynatrainError(f"plan: unknown slot type {v[0]!r}")
 
 
@@ -103,7 +103,7 @@ def plan_from_json(doc: dict[str, Any]) -> Plan:
             table = [_unslot(v) for v in doc["slots"]]
 
             def unslot(v: Any) -> Slot:
-                if not isinstance(v, int) or not 0 <= v < len(table):
+                if type(v) is not int or not 0 <= v < len(table):  # bool is no index
                     raise ValueError(f"slot index {v!r} is not one of the {len(table)} slots")
                 return table[v]
         else:  # /1 and /2 give each slot in place

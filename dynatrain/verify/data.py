@@ -61,12 +61,12 @@ def expert_keys(view: StateView) -> frozenset[str]:
     """Checkpoint keys of expert weights (the EP/ETP grid) in a layout."""
     L = view.layout
     keys = set()
-    seen: set[int] = set()
+    seen: dict[int, object] = {}  # the value keeps each tuple alive, so ids stay unique
     for rank in range(L.world):
         shards = L.rank_shards(rank)  # cached per model-parallel class: look at each once
         if id(shards) in seen:
             continue
-        seen.add(id(shards))
+        seen[id(shards)] = shards
         for cs in shards:
             keys.update(sh.param.key for sh in cs.shards if sh.param.expert)
         if L.parallel.ep == 1:  # without EP every rank holds every expert: one rank is enough

@@ -26,7 +26,8 @@ from dynatrain.ir.mesh import Grid, Mesh
 from dynatrain.ir.model import ParamDef, TPSplit, chunk_params, padded_vocab
 from dynatrain.ir.shard import logical_box, shard
 from dynatrain.ir.spec import ModelConfig
-from dynatrain.ir.state import _flat_index, flat_boxes, local_to_global
+from dynatrain.ir.geometry import flat_boxes, local_to_global
+from dynatrain.ir.slots import flat_index as _flat_index
 from dynatrain.planner.intersect import Holders, _Sorted
 from dynatrain.verify import lemmas as L
 from dynatrain.verify.simulate import _within

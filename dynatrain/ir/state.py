@@ -4,21 +4,27 @@ Every piece of state is a logical tensor ``(key, kind)``: ``key`` is the megatro
 key, ``kind`` one of param, main_param, exp_avg, exp_avg_sq (per parameter), buffer (router
 expert_bias) or step (Adam's step count). Its shape is the checkpoint's global shape with vocab
 padding removed (padding rows are not data). A rank holds a tensor as ``Region``s: a box of the
-logical tensor and the slot in that rank's local storage where the box's elements sit.
+logical tensor and the slot in that rank's local storage where the box's elements sit
+(``slots``). Consumers that work on many ranks read ``Stored`` entries instead, where the
+layers and experts of a stage are one family region (``StackSlot``).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from .box import Box
-from .errors import LayoutError
 from .buffers import BufferLayout, OwnedRange, owned_ranges
+from .errors import LayoutError
+from .geometry import flat_boxes, local_to_global, merge_adjacent
 from .layout import Layout
-from .shard import Shard, logical_box
+from .shard import Shard
+# The slot types are the state's vocabulary: imported here, they are importable from here too.
+from .slots import (BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, flat_index, grid_boxes,
+                    members, renamed, slot_key)
 
 OPTIMIZER_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
 
@@ -33,77 +39,6 @@ class LogicalTensor:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-@dataclass(frozen=True, slots=True)
-class ParamSlot:
-    """Elements sit in a TP-local tensor of the parameter's local shape, at ``local_offset``.
-
-    For kind ``param`` that tensor is the module parameter ``name`` of chunk ``chunk``; for the
-    optimizer kinds without the distributed optimizer, the optimizer's per-parameter tensor.
-    """
-
-    chunk: int
-    name: str
-    local_offset: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class FlatSlot:
-    """Elements sit contiguously in the DistributedOptimizer's shard of parameter ``name``.
-
-    ``offset`` counts from the start of this rank's slice of ``param.view(-1)`` (the slice that
-    Megatron's fp32 main param and Adam moments for that parameter cover).
-    """
-
-    chunk: int
-    buffer: int  # index into Layout.rank_buffers(rank)
-    name: str
-    offset: int
-
-
-@dataclass(frozen=True, slots=True)
-class BufferSlot:
-    """Elements sit in the module buffer ``name`` (e.g. the router's expert_bias)."""
-
-    chunk: int
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class StackSlot:
-    """A family of slots that differ in name only, one per index of the anchor's leading axes.
-
-    Each layer's weight (and each expert's) is its own module parameter and DistributedOptimizer
-    shard, but the layers and experts of a stage hold congruent boxes at one local position: a
-    single region over their (layer[, expert]) grid stands for all of them, so the planner and
-    the verifier work per grid instead of per weight (the 235B MoE switch: ~24k expert weights
-    per side). ``members`` expands a region of it into the members' own slots, as storage
-    sees them.
-    """
-
-    member: ParamSlot | FlatSlot  # the first member's slot; the others differ in name only
-    axes: int  # leading dims of the anchor that index members (layer, expert)
-    names: tuple[str, ...]  # member names, row-major over the anchor's leading dims
-    # Hashed once: plans key dicts on (key, slot, anchor) per transfer, and hashing hundreds
-    # of names each time cost more than the rest of the verifier's loop.
-    _hash: int = field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.member, self.axes, self.names)))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self):  # rebuilt, so the hash is this process's (string hashes are salted)
-        return StackSlot, (self.member, self.axes, self.names)
-
-    @property
-    def chunk(self) -> int:
-        return self.member.chunk
-
-
-Slot = ParamSlot | FlatSlot | BufferSlot | StackSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,41 +65,6 @@ class Stored:
     box: Box
     slot: Slot
     primary: bool = True
-
-
-def members(slot: Slot, anchor: Box, box: Box) -> list[tuple[Slot, Box, Box]]:
-    """(slot, anchor, box) per storage tensor that ``box`` (inside ``anchor``) touches.
-
-    A plain slot is its own only member. For a ``StackSlot`` the members are the indices of
-    ``box``'s leading axes, row-major: both ends of a transfer expand one box alike.
-
-    Raises:
-        LayoutError: a family whose names do not match its anchor's leading axes, or ``box``
-            outside ``anchor`` on them (a plan nobody verified).
-    """
-    if type(slot) is not StackSlot:
-        return [(slot, anchor, box)]
-    n, m = slot.axes, slot.member
-    lead = anchor.shape[:n]
-    if not (0 < n <= len(anchor.lo) == len(box.lo) and len(slot.names) == math.prod(lead)
-            and all(a <= l < h <= z for l, h, a, z in zip(box.lo[:n], box.hi[:n], anchor.lo,
-                                                          anchor.hi))):
-        raise LayoutError(f"box {box} is not a part of the {len(slot.names)}-member family "
-                          f"over {anchor} ({n} leading axes)")
-    tail_alo, tail_ahi = anchor.lo[n:], anchor.hi[n:]
-    out = []
-    for idx in itertools.product(*(range(l, h) for l, h in zip(box.lo[:n], box.hi[:n]))):
-        name = slot.names[_flat_index(lead, tuple(i - a for i, a in zip(idx, anchor.lo)))]
-        one = tuple(i + 1 for i in idx)
-        out.append((_renamed(m, name), Box(idx + tail_alo, one + tail_ahi),
-                    Box(idx + box.lo[n:], one + box.hi[n:])))
-    return out
-
-
-def _renamed(slot: ParamSlot | FlatSlot, name: str) -> ParamSlot | FlatSlot:
-    if type(slot) is ParamSlot:
-        return ParamSlot(slot.chunk, name, slot.local_offset)
-    return FlatSlot(slot.chunk, slot.buffer, name, slot.offset)
 
 
 STACK_FAMILIES = True  # False: one region per weight (the unstacked IR, an oracle for tests)
@@ -212,159 +112,10 @@ class _Families:
                     pts = itertools.product(*(range(a, b) for a, b in zip(lo, hi)))
                     grid = tuple(names[p] for p in pts)
                     box = Box(lo + t_lo, hi + t_hi)
-                    first = _renamed(slot, grid[0])
+                    first = renamed(slot, grid[0])
                     out.append(Stored(key, self.kinds, box, first if len(grid) == 1 else
                                       StackSlot(first, npre, grid), primary))
         return out
-
-
-def grid_boxes(points: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Cover sorted, distinct integer points exactly with few boxes: runs along the last axis,
-    merged over consecutive indices of the axes before that cover the same runs."""
-    if not points[0]:
-        return [((), ())]
-    if len(points[0]) == 1:  # runs
-        runs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-        start = prev_x = points[0][0]
-        for (x,) in points[1:]:
-            if x != prev_x + 1:
-                runs.append(((start,), (prev_x + 1,)))
-                start = x
-            prev_x = x
-        runs.append(((start,), (prev_x + 1,)))
-        return runs
-    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    prev: list | None = None  # [head lo, head hi, the rest's boxes]
-
-    def flush() -> None:
-        if prev is not None:
-            out.extend(((prev[0],) + lo, (prev[1],) + hi) for lo, hi in prev[2])
-
-    i = 0
-    while i < len(points):
-        head = points[i][0]
-        j = i
-        while j < len(points) and points[j][0] == head:
-            j += 1
-        rest = grid_boxes([p[1:] for p in points[i:j]])
-        if prev is not None and prev[1] == head and prev[2] == rest:
-            prev[1] = head + 1
-        else:
-            flush()
-            prev = [head, head + 1, rest]
-        i = j
-    flush()
-    return out
-
-
-def flat_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Cover the row-major flat range [a, b) of ``shape`` with boxes that are each contiguous.
-
-    Returns (offset, size) pairs in order; at most 2*ndim - 1 of them.
-    """
-    if a >= b:
-        return []
-    if len(shape) <= 1:
-        return [((a,), (b - a,))]
-    inner = math.prod(shape[1:])
-    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    row = a // inner
-    if a % inner:
-        end = min(b, (row + 1) * inner)
-        out += [((row,) + lo, (1,) + sz) for lo, sz in flat_boxes(shape[1:], a % inner,
-                                                                    end - row * inner)]
-        a, row = end, row + 1
-    if b // inner > row:
-        out.append(((row,) + (0,) * (len(shape) - 1), (b // inner - row,) + shape[1:]))
-        a = b // inner * inner
-    if a < b:
-        row = a // inner
-        out += [((row,) + lo, (1,) + sz) for lo, sz in flat_boxes(shape[1:], 0, b - a)]
-    return out
-
-
-def local_to_global(sh: Shard, lo: tuple[int, ...], size: tuple[int, ...],
-                    vocab: int) -> list[tuple[tuple[int, ...], Box]]:
-    """Map a local box of a shard to (local offset, logical global box) parts."""
-    npre = len(sh.param.prepend)
-    if size == sh.local_shape and not any(lo):  # the whole shard: its pieces as they are
-        out = []
-        for piece in sh.pieces:
-            box = logical_box(sh.param, piece.box, vocab)
-            if box is not None:
-                out.append((piece.local_offset, box))
-        return out
-    out = []
-    for piece in sh.pieces:
-        psize = piece.box.shape[npre:]
-        a = tuple(max(x, p) for x, p in zip(lo, piece.local_offset))
-        z = tuple(min(x + s, p + ps) for x, s, p, ps in zip(lo, size, piece.local_offset, psize))
-        if any(x >= y for x, y in zip(a, z)):
-            continue
-        g_lo = piece.box.lo[:npre] + tuple(
-            g + x - p for g, x, p in zip(piece.box.lo[npre:], a, piece.local_offset))
-        box = logical_box(sh.param, Box.of(g_lo, (1,) * npre + tuple(y - x for x, y in zip(a, z))),
-                          vocab)
-        if box is not None:
-            out.append((a, box))
-    return out
-
-
-def merge_adjacent(parts: list[tuple[tuple[int, ...], Box]], npre: int,
-                   flat_shape: tuple[int, ...] | None = None
-                   ) -> list[tuple[tuple[int, ...], Box]]:
-    """Merge consecutive (local offset, global box) parts that one translation maps.
-
-    Unsplit SwiGLU keeps Megatron's two pieces ``[gate; up]``, but locally and globally they
-    lie end to end: one region serves where two would double every transfer of the weight.
-    Two parts merge when they abut along one local dim, by the same step in the global box,
-    and agree in every other dim (``npre`` leading global dims are the size-1 layer/expert
-    axes). For a flat slot (``flat_shape``: the local tensor's shape) the merged block must
-    also be contiguous in row-major order, since the flat shard stores it as one run.
-    """
-    if len(parts) < 2:  # nearly every shard: nothing to merge
-        return parts
-    out = parts[:1]
-    for lo, box in parts[1:]:
-        plo, pbox = out[-1]
-        d = _abutting_dim(plo, pbox, lo, box, npre)
-        merged = None
-        if d is not None:
-            merged = Box(pbox.lo, tuple(box.hi[i] if i == npre + d else h
-                                        for i, h in enumerate(pbox.hi)))
-            if flat_shape is not None and not _row_major_contiguous(
-                    flat_shape, merged.shape[npre:]):
-                merged = None
-        if merged is None:
-            out.append((lo, box))
-        else:
-            out[-1] = (plo, merged)
-    return out
-
-
-def _abutting_dim(alo: tuple[int, ...], a: Box, blo: tuple[int, ...], b: Box,
-                  npre: int) -> int | None:
-    """The local dim along which part b continues part a under the same translation."""
-    if a.lo[:npre] != b.lo[:npre] or a.hi[:npre] != b.hi[:npre]:
-        return None
-    found = None
-    for d, (x, y) in enumerate(zip(alo, blo)):
-        g = npre + d
-        if x == y and a.lo[g] == b.lo[g] and a.hi[g] == b.hi[g]:
-            continue
-        step = a.hi[g] - a.lo[g]
-        if found is not None or y != x + step or b.lo[g] != a.hi[g]:
-            return None
-        found = d
-    return found
-
-
-def _row_major_contiguous(shape: tuple[int, ...], size: tuple[int, ...]) -> bool:
-    """Whether a block of ``size`` inside a row-major tensor of ``shape`` is one run."""
-    for d, n in enumerate(size):
-        if n > 1:
-            return tuple(size[d + 1:]) == tuple(shape[d + 1:])
-    return True
 
 
 class StateView:
@@ -574,10 +325,10 @@ class StateView:
         out = []
         shape, npre = sh.local_shape, len(sh.param.prepend)
         for lo, size in flat_boxes(shape, *o.param):
-            start = _flat_index(shape, lo) - o.param[0]
+            start = flat_index(shape, lo) - o.param[0]
             parts = local_to_global(sh, lo, size, self.vocab_rows)
             for plo, box in merge_adjacent(parts, npre, shape):
-                off = start + _flat_index(shape, plo) - _flat_index(shape, lo)
+                off = start + flat_index(shape, plo) - flat_index(shape, lo)
                 out.append((box, FlatSlot(chunk, bi, o.name, off)))
         return out
 
@@ -587,18 +338,6 @@ class StateView:
         return (sh.param.key, not sh.param.tied_copy, npre,
                 tuple((box.lo[npre:], box.hi[npre:], slot)
                       for box, slot in self._flat_regions(sh, o, chunk, bi)))
-
-
-def slot_key(kind: str, slot: Slot) -> tuple:
-    """The key of ``slot``'s tensor in a rank's local storage, for state ``kind``.
-
-    Raises:
-        LayoutError: ``slot`` is a ``StackSlot``, which spans several tensors (``members``).
-    """
-    if type(slot) is StackSlot:
-        raise LayoutError(f"a family of {len(slot.names)} slots has no single storage tensor; "
-                          "expand it with members()")
-    return (kind, type(slot).__name__, slot.chunk, slot.name)
 
 
 def storage_tensors(view: StateView, rank: int) -> dict[tuple, tuple[tuple[int, ...], str]]:
@@ -670,8 +409,3 @@ def transition_views(src: Layout, dst: Layout) -> tuple[StateView, StateView]:
     return view_of(src, rows), view_of(dst, rows)
 
 
-def _flat_index(shape: tuple[int, ...], idx: tuple[int, ...]) -> int:
-    flat = 0
-    for s, i in zip(shape, idx):
-        flat = flat * s + i
-    return flat

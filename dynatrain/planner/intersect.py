@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from ..ir.box import Box
 from ..ir.errors import DynatrainError
-from ..ir.state import Slot, StateView, Stored
+from ..ir.slots import Slot
+from ..ir.state import StateView, Stored
 
 
 class PlanError(DynatrainError):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..ir.box import Box
-from ..ir.state import Slot
+from ..ir.slots import Slot
 
 
 class Transfer(NamedTuple):

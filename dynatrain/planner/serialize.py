@@ -6,7 +6,7 @@ from typing import Any
 
 from ..ir.box import Box
 from ..ir.errors import DynatrainError
-from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot
+from ..ir.slots import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot
 from .plan import Message, Plan, Round, Transfer
 
 FORMAT = "dynatrain.plan/3"

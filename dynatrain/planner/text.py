@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..ir.box import Box
-from ..ir.state import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, members
+from ..ir.slots import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, members
 from .plan import Plan
 
 

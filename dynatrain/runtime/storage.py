@@ -20,8 +20,8 @@ import torch
 
 from ..ir.box import Box
 from ..ir.errors import LayoutError
-from ..ir.state import (BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, StateView, members,
-                        slot_key, storage_tensors)
+from ..ir.slots import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, members, slot_key
+from ..ir.state import StateView, storage_tensors
 
 Storage = dict[tuple, torch.Tensor]  # per rank: (kind, slot kind, chunk, name) -> tensor
 

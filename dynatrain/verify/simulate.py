@@ -13,8 +13,8 @@ import math
 import numpy as np
 
 from ..ir.box import Box
-from ..ir.state import (BufferSlot, FlatSlot, ParamSlot, Slot, StateView, members, slot_key,
-                        storage_tensors)
+from ..ir.slots import BufferSlot, FlatSlot, ParamSlot, Slot, members, slot_key
+from ..ir.state import StateView, storage_tensors
 from ..planner.plan import Plan
 
 Storage = dict[tuple, np.ndarray]  # per rank: (kind, slot kind, chunk, name) -> array

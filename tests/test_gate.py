@@ -19,12 +19,10 @@ from hypothesis import strategies as st
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.state import transition_views
 from dynatrain.planner.pipeline import plan_transition
-from dynatrain.planner.schedule import peak_staging
-from dynatrain.verify.simulate import execute, materialize
-
-from strategies import Transition, transitions
-
 from dynatrain.verify.check import verify
+
+from oracle import assert_plan_exact
+from strategies import Transition, transitions
 
 
 def _events(t: Transition) -> None:
@@ -72,16 +70,7 @@ def test_random_transition_is_verified_and_bit_exact(t: Transition, seed: int) -
         for key, kind in list(tensors):
             if kind == "param":
                 tensors[(key, kind)] = tensors[(key, "main_param")]
-    got, want = execute(plan, materialize(s, tensors), d), materialize(d, tensors)
-    assert len(got) == len(want) == dst.world
-    for rank, (g, w) in enumerate(zip(got, want)):
-        assert g.keys() == w.keys(), f"rank {rank}: storage keys differ"
-        for k in w:
-            np.testing.assert_array_equal(g[k].view(np.uint32), w[k].view(np.uint32),
-                                          err_msg=f"rank {rank} {k}")
-    assert plan.stats["bytes_moved"] == plan.stats["bytes_lower_bound"]
-    for rnd in plan.rounds:
-        assert max(peak_staging(rnd).values(), default=0) <= t.budget
+    assert_plan_exact(plan, s, d, tensors, t.budget)
 
 
 def _grows(t: Transition) -> bool:

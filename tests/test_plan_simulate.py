@@ -16,8 +16,9 @@ from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import spec_from_dict
 from dynatrain.ir.state import transition_views
 from dynatrain.planner.pipeline import plan_transition
-from dynatrain.planner.schedule import peak_staging
 from dynatrain.verify.simulate import execute, materialize
+
+from oracle import assert_plan_exact
 
 DENSE = dict(num_layers=4, hidden_size=48, num_attention_heads=12, num_query_groups=6,
              ffn_hidden_size=96, vocab_size=150, make_vocab_size_divisible_by=8, swiglu=True,
@@ -58,16 +59,7 @@ def test_plan_reproduces_destination_bit_exact(name, src, dst, budget) -> None:
     tensors = {tk: rng.standard_normal(t.shape).astype(np.float32) for tk, t in
                s.tensors().items()}
     plan = plan_transition(s.layout, d.layout, budget)
-    got = execute(plan, materialize(s, tensors), d)
-    want = materialize(d, tensors)
-    for rank, (g, w) in enumerate(zip(got, want)):
-        assert g.keys() == w.keys()
-        for k in w:
-            np.testing.assert_array_equal(g[k].view(np.uint32), w[k].view(np.uint32),
-                                          err_msg=f"rank {rank} {k}")
-    assert plan.stats["bytes_moved"] == plan.stats["bytes_lower_bound"]
-    for rnd in plan.rounds:
-        assert max(peak_staging(rnd).values(), default=0) <= budget
+    assert_plan_exact(plan, s, d, tensors, budget)
 
 
 DERIVE = [
@@ -93,11 +85,7 @@ def test_derived_params_are_not_sent_and_come_out_exact(name, src, dst) -> None:
     assert all("param" not in t.kinds for m in plan.messages() for t in m.transfers)
     assert plan.stats["bytes_moved"] + plan.stats["bytes_local"] < (
         full.stats["bytes_moved"] + full.stats["bytes_local"])
-    got, want = execute(plan, materialize(s, tensors), d), materialize(d, tensors)
-    for rank, (g, w) in enumerate(zip(got, want)):
-        for k in w:
-            np.testing.assert_array_equal(g[k].view(np.uint32), w[k].view(np.uint32),
-                                          err_msg=f"rank {rank} {k}")
+    assert_plan_exact(plan, s, d, tensors)
 
 
 @pytest.mark.parametrize("src_tp,dst_tp,rows", [(2, 6, 160), (2, 3, 160), (3, 1, 152)])

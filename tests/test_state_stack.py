@@ -29,10 +29,11 @@ from dynatrain.ir.state import (BufferSlot, FlatSlot, ParamSlot, StackSlot, Stat
                                 members, slot_key, storage_tensors, transition_views)
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Message, Round
-from dynatrain.planner.schedule import peak_staging
 from dynatrain.planner.serialize import plan_from_json, plan_to_json
 from dynatrain.verify.check import verify
 from dynatrain.verify.simulate import execute, materialize
+
+from oracle import assert_plan_exact
 
 # ---- grid_boxes ----------------------------------------------------------------------------
 
@@ -305,17 +306,7 @@ def test_plan_with_families_simulates_bit_exact_and_verifies(name, src, dst, bud
     rng = np.random.default_rng(3)
     tensors = {tk: rng.standard_normal(t.shape).astype(np.float32) for tk, t in
                s.tensors().items()}
-    got = execute(plan, materialize(s, tensors), d)
-    want = materialize(d, tensors)
-    assert len(got) == len(want) == dst.world
-    for rank, (g, w) in enumerate(zip(got, want)):
-        assert g.keys() == w.keys()
-        for k in w:
-            np.testing.assert_array_equal(g[k].view(np.uint32), w[k].view(np.uint32),
-                                          err_msg=f"rank {rank} {k}")
-    assert plan.stats["bytes_moved"] == plan.stats["bytes_lower_bound"]
-    for rnd in plan.rounds:
-        assert max(peak_staging(rnd).values(), default=0) <= budget
+    assert_plan_exact(plan, s, d, tensors, budget)
 
     report = verify(plan, src, dst)
     assert report.ok, str(report)

@@ -7,14 +7,18 @@ of its own, and the chunks between two such are packed together up to ``CHUNK_BY
 whose view is contiguous travels straight from the source storage or into the destination
 storage (no copy, no staging; each end decides for itself); the others are packed into, or
 received into, one byte arena the process keeps for the whole switch and grows only when a
-round needs more. So staging never exceeds what the plan budgets (the message bytes), is
+round needs more. So a round's staging never exceeds what the plan says (its message bytes), is
 usually far below it, and its pages are touched once per switch rather than once per round.
+Sends packed ahead live in two more buffers (by round parity), used only while everything the
+process holds stays within the plan's budget.
 
 Local copies (device to itself) run in whichever round ``spread_local`` gives them. In a round
-a process posts every receive, posts its straight sends, then packs and posts the
-rest piece by piece (the network moves a piece while the next is packed), copies its local
-messages, prepares the next round while the transfers run, and finally waits for its
-receives in order, unpacking each staged piece as soon as it lands. Every operation of a round
+a process posts every receive, posts its straight sends and the sends packed ahead, then packs
+and posts the rest piece by piece (the network moves a piece while the next is packed), copies
+its local messages, prepares the next round and, where the budget allows, packs that round's
+staged sends while this round's transfers run, and finally waits for its receives in order,
+unpacking each staged piece as soon as it lands. Packing ahead only reads the source storage,
+which nothing writes during a switch, so it is safe at any time. Every operation of a round
 is non-blocking, so posting order cannot deadlock. A piece's tag is ``k * MAX_PIECES + piece
 index`` for the k-th message between its two devices in the round: unique among the round's
 operations between two processes.
@@ -55,6 +59,7 @@ class Piece:
     views: list[torch.Tensor]
     direct: bool
     wire: torch.Tensor | None = None
+    ahead: bool = False  # a staged send packed during the previous round
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class RoundWork:
     bytes_local: int
     planned_staging: int  # the plan's staging for this process: its remote message bytes
     staging: int  # bytes of this round's pieces that go through the arena
+    packed_ahead: int = 0  # of those, send bytes packed during the previous round
 
     def local_views(self):
         """(source, destination) byte views of the local copies, made when the round runs:
@@ -222,26 +228,72 @@ def prepare_round(i: int, rnd: Round, device: str, src_rank: int | None, dst_ran
 
 
 class Arena:
-    """The staging bytes of one process for a whole switch; grows, never shrinks."""
+    """The staging bytes of one process for a whole switch; its buffers grow, never shrink.
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    ``buf`` holds the staged pieces of the running round that were not packed ahead;
+    ``ahead[k]`` the sends packed ahead for the rounds of parity ``k`` (round ``i + 1`` is
+    packed while round ``i``'s sends, in the other one, may still be on the wire). ``peak`` is
+    the most bytes the three held at once: the staging memory really used.
+    """
+
+    def __init__(self, device: torch.device | None = None, budget: int | None = None) -> None:
         self.device = device or torch.device("cpu")
-        self.buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.budget = budget  # None: pack ahead whenever there is something to pack
+        self.buf = self._empty(0)
+        self.ahead = [self._empty(0), self._empty(0)]
         self.peak = 0
 
+    def _empty(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8, device=self.device)
+
+    def release(self) -> None:
+        """Free every buffer (the peak is kept)."""
+        self.buf = self.ahead[0] = self.ahead[1] = self._empty(0)
+
+    def held(self) -> int:
+        """Bytes the arena holds now."""
+        return self.buf.numel() + self.ahead[0].numel() + self.ahead[1].numel()
+
     def carve(self, work: RoundWork) -> None:
-        """Give every staged piece of ``work`` its slice of the arena."""
-        if work.staging > self.buf.numel():
-            self.buf = torch.empty(0, dtype=torch.uint8, device=self.device)  # free it first
-            self.buf = torch.empty(work.staging, dtype=torch.uint8, device=self.device)
-        self.peak = max(self.peak, self.buf.numel())
+        """Give every staged piece of ``work`` that was not packed ahead its slice of ``buf``."""
+        need = work.staging - work.packed_ahead
+        if need > self.buf.numel():
+            self.buf = self._empty(0)  # free it first
+            self.buf = self._empty(need)
+        self.peak = max(self.peak, self.held())
         off = 0
         for p in work.recvs + work.sends:
             if p.direct:
                 p.wire = p.views[0]
-            else:
+            elif not p.ahead:
                 p.wire = self.buf[off:off + p.nbytes]
                 off += p.nbytes
+
+    def pack_ahead(self, work: RoundWork) -> int:
+        """Pack the staged sends of ``work`` (the next round) now, if the budget allows.
+
+        Allowed when the buffers, grown for it and for ``work``'s own staging, stay within the
+        budget. Returns the bytes packed (0: none; the round packs them itself)."""
+        staged = [p for p in work.sends if not p.direct]
+        need = sum(p.nbytes for p in staged)
+        if not need:
+            return 0
+        k = work.index % 2
+        after = (max(self.buf.numel(), work.staging - need) + self.ahead[1 - k].numel()
+                 + max(self.ahead[k].numel(), need))
+        if self.budget is not None and after > self.budget:
+            return 0
+        if need > self.ahead[k].numel():
+            self.ahead[k] = self._empty(0)  # its sends (two rounds back) have completed
+            self.ahead[k] = self._empty(need)
+        self.peak = max(self.peak, self.held())
+        off = 0
+        for p in staged:
+            p.wire, p.ahead = self.ahead[k][off:off + p.nbytes], True
+            off += p.nbytes
+            _pack(p)
+        work.packed_ahead = need
+        return need
 
 
 def _pack(p: Piece) -> None:
@@ -261,9 +313,11 @@ def _unpack(p: Piece) -> None:
 
 
 def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tuple[str, ...],
-              timeout: float, where, wait: Callable, prepare_next: Callable[[], None] | None
-              ) -> float:
-    """Run one prepared round; returns its seconds. ``prepare_next`` runs during the exchange."""
+              timeout: float, where, wait: Callable,
+              prepare_next: Callable[[], RoundWork] | None
+              ) -> tuple[float, RoundWork | None]:
+    """Run one prepared round; returns its seconds and the next round's work, which
+    ``prepare_next`` prepares (and the arena packs ahead) while this round's transfers run."""
     t0 = time.perf_counter()
     where.phase = "exchange"
     arena.carve(work)
@@ -271,9 +325,9 @@ def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tup
     for p in work.recvs:
         # The process group's own calls: dist.irecv/isend only add checks done here already.
         works.append((pg.recv([p.wire], p.peer, p.tag), p, True))
-    # Straight-from-storage sends first: the network starts while the rest is packed.
-    for p in sorted(work.sends, key=lambda p: not p.direct):
-        if not p.direct:
+    # Sends that need no packing now first: the network starts while the rest is packed.
+    for p in sorted(work.sends, key=lambda p: not (p.direct or p.ahead)):
+        if not (p.direct or p.ahead):
             where.phase = "pack"
             _pack(p)
             where.phase = "exchange"
@@ -281,9 +335,12 @@ def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tup
     where.phase = "local copy"  # overlaps the exchange: no staging, no network
     for s, d in work.local_views():
         d.copy_(s)
+    nxt = None
     if prepare_next is not None:
         where.phase = "prepare next round"
-        prepare_next()
+        nxt = prepare_next()
+        where.phase = "pack next round"
+        arena.pack_ahead(nxt)
     deadline = time.monotonic() + timeout
     for w, p, is_recv in works:  # receives first (posted first): unpack each as it lands
         where.phase, where.peer = "exchange", devices[p.peer]
@@ -294,4 +351,4 @@ def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tup
     where.peer = None
     for p in work.recvs + work.sends:
         p.wire = None  # drop views of the arena before it may be replaced
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, nxt

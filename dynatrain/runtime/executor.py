@@ -10,9 +10,9 @@ layout ranks and ``plan.src_devices``/``plan.dst_devices`` map them to devices.
 Rounds run in order (``exchange.py``): in a round a device posts its receives, packs and posts
 its sends piece by piece (a large contiguous segment goes on the wire straight from or into
 storage; the rest is packed into one staging arena kept for the whole switch), copies its local
-messages slot to slot, prepares the next round while the transfers run, and unpacks each
-received piece as it lands. The staging bytes are measured from the arena: never more than the
-plan budgets, usually much less. With ``plan.derived == ("param",)`` each destination rank then
+messages slot to slot, prepares the next round (and packs its staged sends where the budget
+allows) while the transfers run, and unpacks each received piece as it lands. The staging bytes
+are measured from the arena: never more than the plan budgets, usually much less. With ``plan.derived == ("param",)`` each destination rank then
 rebuilds its params from the main params (``derive.py``: a local cast without the distributed
 optimizer, otherwise Megatron's param all-gather, point to point).
 
@@ -86,8 +86,9 @@ class RoundReport:
     bytes_sent: int
     bytes_received: int
     bytes_local: int
-    staging_bytes: int  # bytes this device staged in the round (measured from the arena)
+    staging_bytes: int  # bytes of this round's pieces this device staged (from the arena)
     planned_staging_bytes: int  # what the plan says this device stages in the round
+    packed_ahead_bytes: int  # of staging_bytes, sends packed during the previous round
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +101,7 @@ class SwitchReport:
     dst_rank: int | None
     rounds: tuple[RoundReport, ...]
     budget_bytes: int
-    arena_bytes: int  # the staging arena's size at the end: the staging memory really held
+    peak_staging_bytes: int  # the most staging memory the arena held at once (<= budget)
     derive_bytes_sent: int
     derive_bytes_received: int
     derive_staging_bytes: int
@@ -125,11 +126,11 @@ class SwitchReport:
             "achieved_GBps": (sent + received) / seconds / 1e9 if seconds > 0 else 0.0,
             "send_GBps": sent / seconds / 1e9 if seconds > 0 else 0.0,
             "recv_GBps": received / seconds / 1e9 if seconds > 0 else 0.0,
-            "peak_staging_bytes": max((r.staging_bytes for r in self.rounds), default=0),
+            "packed_ahead_bytes": sum(r.packed_ahead_bytes for r in self.rounds),
+            "peak_staging_bytes": self.peak_staging_bytes,
             "planned_peak_staging_bytes": max((r.planned_staging_bytes for r in self.rounds),
                                               default=0),
             "budget_bytes": self.budget_bytes,
-            "arena_bytes": self.arena_bytes,
             "derive_bytes_sent": self.derive_bytes_sent,
             "derive_bytes_received": self.derive_bytes_received,
             "derive_staging_bytes": self.derive_staging_bytes,
@@ -206,7 +207,7 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     devices = process_devices(plan)
     pg = group if group is not None else dist.group.WORLD
     on = tensor_device(src_store, dst_store, pg)
-    arena = Arena(on)
+    arena = Arena(on, plan.budget_bytes)
     try:
         me = _bind(plan, src_view, dst_view, device, src_store, pg, devices)
         pg.set_timeout(td)  # gloo collectives block their worker thread up to this long
@@ -225,8 +226,8 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     except Exception as err:  # noqa: BLE001 — every failure becomes one SwitchAborted
         raise _abort(err, device, where, pg, destroy_group_on_abort) from err
     finally:
-        arena_bytes = arena.peak
-        arena.buf = torch.empty(0, dtype=torch.uint8, device=on)  # freed before the vote
+        peak_staging = arena.peak
+        arena.release()  # freed before the vote
 
     # All messages of this process completed: a problem found now is voted, not shouted.
     problem = ""
@@ -251,7 +252,7 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
                             f"failure{why}; this is {device}; group still usable",
                             device=device, peer=failed[0])
     report = SwitchReport(device, me.index, me.src_rank, me.dst_rank, tuple(reports),
-                          plan.budget_bytes, arena_bytes, derive[0], derive[1], derive[2],
+                          plan.budget_bytes, peak_staging, derive[0], derive[1], derive[2],
                           derive_seconds, time.perf_counter() - t,
                           time.perf_counter() - t_start)
     if me.index == 0:
@@ -322,12 +323,11 @@ def _run_rounds(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
         where.round, where.peer, where.phase = i, None, "exchange"
         if on_round is not None:
             on_round(i)
-        ahead: list[RoundWork] = []
-        seconds = run_round(work, arena, pg, devices, timeout, where, _wait,
-                            (lambda: ahead.append(prepare(i + 1))) if i + 1 < n else None)
-        nxt = ahead[0] if ahead else None
+        seconds, nxt = run_round(work, arena, pg, devices, timeout, where, _wait,
+                                 (lambda: prepare(i + 1)) if i + 1 < n else None)
         reports.append(RoundReport(i, seconds, work.bytes_sent, work.bytes_received,
-                                   work.bytes_local, work.staging, work.planned_staging))
+                                   work.bytes_local, work.staging, work.planned_staging,
+                                   work.packed_ahead))
         if progress:
             done += sum(m.nbytes for m in plan.rounds[i].messages if not m.local)
             elapsed = time.perf_counter() - t0

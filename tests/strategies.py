@@ -165,21 +165,23 @@ def _pipeline(pp: int, vpp: int | None, first: int | None, last: int | None, emb
 
 
 @st.composite
-def layouts(draw: st.DrawFn, model: dict, pool: tuple[str, ...] = POOL) -> dict:
+def layouts(draw: st.DrawFn, model: dict, pool: tuple[str, ...] = POOL,
+            max_world: int = MAX_WORLD) -> dict:
     """A parallel config and world for ``model`` that megatron-core accepts.
 
     TP (incl. 3 and 6 where they divide), PP even/uneven/accounted, VPP, CP, DP, EP, ETP,
     rank order, distributed optimizer (with instances and small buckets) or not, and a world
-    of ``nodes x gpus_per_node`` or an arbitrary ordered subset of ``pool``.
+    of at most ``max_world`` ranks: ``nodes x gpus_per_node`` or an arbitrary ordered subset
+    of ``pool``.
     """
     m = ModelConfig.model_validate(model)
-    tps = [t for t in range(1, 9) if _tp_ok(m, t)]
+    tps = [t for t in range(1, min(8, max_world) + 1) if _tp_ok(m, t)]
     tp = draw(st.sampled_from(tps[:1] + tps[1:] * 2))  # tp > 1 twice as likely as tp = 1
     pipe = draw(st.sampled_from([p for p in pipelines(m.num_layers)
-                                 if tp * p.get("pp", 1) <= MAX_WORLD]))
+                                 if tp * p.get("pp", 1) <= max_world]))
     pp = pipe.get("pp", 1)
-    cp = draw(st.sampled_from([c for c in (1, 2, 1, 3) if tp * pp * c <= MAX_WORLD]))
-    dp = draw(st.integers(1, MAX_WORLD // (tp * pp * cp)))
+    cp = draw(st.sampled_from([c for c in (1, 2, 1, 3) if tp * pp * c <= max_world]))
+    dp = draw(st.integers(1, max_world // (tp * pp * cp)))
     world = tp * pp * cp * dp
     par: dict = {"tp": tp, **pipe}
     if cp > 1:
@@ -276,8 +278,10 @@ def _spec(doc: dict) -> LayoutSpec:
 
 
 @st.composite
-def transitions(draw: st.DrawFn, moe: bool | None = None) -> Transition:
-    """A source and a destination layout of the same model and state kinds.
+def transitions(draw: st.DrawFn, moe: bool | None = None, max_world: int = MAX_WORLD,
+                pool: tuple[str, ...] = POOL) -> Transition:
+    """A source and a destination layout of the same model and state kinds, each of at most
+    ``max_world`` ranks (device lists drawn from ``pool``).
 
     Sometimes the destination derives its params from its main params (``derive_param``), the
     budget is sometimes a few hundred bytes, which forces messages and boxes to split, and
@@ -285,8 +289,8 @@ def transitions(draw: st.DrawFn, moe: bool | None = None) -> Transition:
     """
     model = draw(models(moe))
     state = draw(st.sampled_from(STATES))
-    src = draw(layouts(model))
-    dst = draw(layouts(model))
+    src = draw(layouts(model, pool, max_world))
+    dst = draw(layouts(model, pool, max_world))
     if state:
         src["state"] = dict(state)
         dst["state"] = dict(state)

@@ -259,6 +259,13 @@ class Arena:
         need = work.staging - work.packed_ahead
         if need > self.buf.numel():
             self.buf = self._empty(0)  # free it first
+            k = work.index % 2
+            if self.budget is not None and need + self.held() > self.budget:
+                # Only this round's sends packed ahead are still in use: the sends of earlier
+                # rounds completed, so their buffers may go to make room.
+                self.ahead[1 - k] = self._empty(0)
+                if not work.packed_ahead:
+                    self.ahead[k] = self._empty(0)
             self.buf = self._empty(need)
         self.peak = max(self.peak, self.held())
         off = 0

@@ -5,9 +5,10 @@ Each case plans a transition in the parent, forks one process per device of the 
 from the same random global tensors (bf16 params, fp32 optimizer state, int64 step), runs
 ``switch`` and compares the destination storage byte for byte with the storage built directly
 from the same tensors for the destination layout. Source checksums and measured staging against
-the budget are checked too. Fault cases inject a failure or a hang into one process mid-round:
-every process must raise ``SwitchAborted`` within bounded time with its source intact, and the
-same switch must then commit on retry. Workers report through JSON files (no pickles).
+the budget are checked too. Fault cases inject a failure or a hang into one process mid-round,
+or kill it: every process must raise ``SwitchAborted`` within bounded time with its source
+intact, and the same switch must then commit on retry (in place of a killed process, a new one
+takes part). Workers report through JSON files (no pickles).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import multiprocessing
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -86,6 +89,7 @@ CASES = {
                               1 << 30),
 }
 SEED = 5
+KILLED = 17  # exit status of a process the kill fault ends
 
 
 @dataclass(frozen=True)
@@ -98,10 +102,11 @@ class Job:
     devices: tuple[str, ...]
     out: Path
     timeout: float
-    fault: str = "none"  # none | raise | hang | vote
+    fault: str = "none"  # none | raise | hang | vote | kill
     victim: int = 1  # process index the fault hits
     fault_round: int = 1
     given_dst: bool = False  # pass allocated destination storage as dst_store
+    replacement: bool = False  # a process started in place of a killed one: retry only
 
 
 def _init(job: Job, idx: int, attempt: int) -> None:
@@ -159,6 +164,8 @@ def _fault_hook(job: Job, src, saved: list):
             return
         if job.fault == "raise":
             raise RuntimeError("injected failure")
+        if job.fault == "kill":  # the process dies at once: no handler, no goodbye
+            os._exit(KILLED)
         if job.fault == "hang":
             time.sleep(job.timeout + 1.5)
         if job.fault == "vote":  # flip one source element; the worker restores it afterwards
@@ -173,7 +180,7 @@ def _worker(idx: int, job: Job) -> None:
     device = job.devices[idx]
     res: dict = {"device": device, "errors": []}
     try:
-        _init(job, idx, 0)
+        _init(job, idx, 1 if job.replacement else 0)
         tensors = global_state(job.src, SEED, bool(job.plan.derived))
         src = None
         if device in job.plan.src_devices:
@@ -181,7 +188,7 @@ def _worker(idx: int, job: Job) -> None:
         before = checksums(src) if src is not None else None
         saved: list = []  # (key, original) of a source tensor the vote fault corrupts
         hook = _fault_hook(job, src, saved) if job.fault != "none" and idx == job.victim else None
-        if job.fault != "none":
+        if job.fault != "none" and not job.replacement:
             t0 = time.perf_counter()
             try:
                 switch(job.plan, job.src, job.dst, device, src, timeout=job.timeout,
@@ -353,6 +360,38 @@ def test_failure_mid_round_aborts_everywhere_then_retry_commits(tmp_path: Path) 
         assert r["abort"]["seconds"] < 15, r["abort"]
         assert r["abort"]["round"] is not None and r["abort"]["group_destroyed"]
         assert r["report"]["rounds"] == len(job.plan.rounds)  # the retry committed
+
+
+def test_killed_process_aborts_everywhere_then_retry_with_a_replacement_commits(
+        tmp_path: Path) -> None:
+    # Process 1 dies mid-round (os._exit, as a crash or an OOM kill would). The others must
+    # abort within bounded time with their sources intact, then retry in a fresh group with a
+    # process started in its place (rebuilding its source rank), and commit bit for bit.
+    src, dst, budget = CASES["tp1->tp2-dp2-small-budget"]
+    sv, dv = transition_views(Layout(src), Layout(dst))
+    plan = plan_transition(sv.layout, dv.layout, budget)
+    job = Job(plan, sv, dv, process_devices(plan), tmp_path, 5.0, "kill", victim=1,
+              fault_round=2)
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_worker, args=(i, job)) for i in range(len(job.devices))]
+    for p in procs:
+        p.start()
+    procs[1].join(60)
+    assert procs[1].exitcode == KILLED
+    procs[1] = fork.Process(target=_worker, args=(1, dataclasses.replace(job, replacement=True)))
+    procs[1].start()
+    for p in procs:
+        p.join(90)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = [json.loads((tmp_path / f"result{i}.json").read_text(encoding="utf-8"))
+               for i in range(len(job.devices))]
+    assert [e for r in results for e in r["errors"]] == []
+    for i, r in enumerate(results):
+        assert r["report"]["rounds"] == len(plan.rounds)  # the retry committed everywhere
+        if i != 1:
+            assert r["abort"]["seconds"] < 15 and r["abort"]["group_destroyed"], r["abort"]
+            assert r["abort"]["round"] is not None, r["abort"]
+    assert "abort" not in results[1]  # the replacement only ran the retry
 
 
 def test_hung_process_times_out_everywhere_then_retry_commits(tmp_path: Path) -> None:

@@ -357,10 +357,15 @@ def _touched(view: StateView, rank: int | None) -> Storage | None:
     return store
 
 
-def _timed(fn) -> tuple[float, Any]:
+def _timed(fn, cpu: list[float] | None = None) -> tuple[float, Any]:
+    """Wall seconds of ``fn`` barrier to barrier; appends this process's CPU seconds (every
+    thread: gloo's included) to ``cpu`` if given."""
     dist.barrier()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     out = fn()
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     dist.barrier()
     return time.perf_counter() - t0, out
 
@@ -369,7 +374,8 @@ def _worker(idx: int, job: Job) -> None:
     torch.set_num_threads(1)  # 4 processes share 2 cores
     device = job.devices[idx]
     res: dict[str, Any] = {"device": device, "errors": []}
-    for k in ("raw_sendrecv", "raw_batch", "switch", "switch_alloc", "dcp_save", "dcp_load"):
+    for k in ("raw_sendrecv", "raw_batch", "switch", "switch_alloc", "dcp_save", "dcp_load",
+              "raw_batch_cpu", "switch_cpu"):
         res[k] = []
     try:
         dist.init_process_group("gloo", init_method=f"file://{job.out}/store", rank=idx,
@@ -385,7 +391,7 @@ def _worker(idx: int, job: Job) -> None:
         _timed(lambda: _raw_batch(rounds))  # warm the connections between every pair
         for rep in range(job.repeats):
             res["raw_sendrecv"].append(_timed(lambda: _raw_sendrecv(rounds))[0])
-            res["raw_batch"].append(_timed(lambda: _raw_batch(rounds))[0])
+            res["raw_batch"].append(_timed(lambda: _raw_batch(rounds), res["raw_batch_cpu"])[0])
             seconds, (dst, report) = _timed(
                 lambda: switch(plan, job.src, job.dst, device, src, timeout=120.0))
             res["switch_alloc"].append(seconds)
@@ -395,7 +401,7 @@ def _worker(idx: int, job: Job) -> None:
             given = _touched(job.dst, dst_rank)
             seconds, (dst, report) = _timed(
                 lambda: switch(plan, job.src, job.dst, device, src, timeout=120.0,
-                               dst_store=given))
+                               dst_store=given), res["switch_cpu"])
             res["switch"].append(seconds)
             if rep == 0:
                 res["errors"] += [f"switch into dst_store: {e}" for e in _mismatches(dst, want)]
@@ -474,6 +480,11 @@ def _reduce(name: str, plan: Plan, results: list[dict]) -> dict[str, Any]:
     sw_alloc = _per_repeat(results, "switch_alloc")
     dcp_save, dcp_load = _per_repeat(results, "dcp_save"), _per_repeat(results, "dcp_load")
     dcp = [a + b for a, b in zip(dcp_save, dcp_load)]
+    # CPU seconds per repeat, summed over the processes: on a host with fewer cores than
+    # processes the wall time follows the CPU work, so this says where the time goes.
+    raw_cpu = [sum(v) for v in zip(*(r["raw_batch_cpu"] for r in results))]
+    sw_cpu = [sum(v) for v in zip(*(r["switch_cpu"] for r in results))]
+    cores = os.cpu_count() or 1
     raw_best = min(min(raw_sr), min(raw_b))
     raw_med = statistics.median(min(a, b) for a, b in zip(raw_sr, raw_b))
     return {
@@ -494,6 +505,10 @@ def _reduce(name: str, plan: Plan, results: list[dict]) -> dict[str, Any]:
         "switch_vs_raw_p2p_ratio": raw_best / min(sw),
         "switch_vs_raw_p2p_median_ratio": raw_med / statistics.median(sw),
         "switch_alloc_vs_raw_p2p_ratio": raw_best / min(sw_alloc),
+        "raw_batch_cpu_seconds": raw_cpu, "switch_cpu_seconds": sw_cpu,
+        "switch_vs_raw_cpu_ratio": statistics.median(sw_cpu) / statistics.median(raw_cpu),
+        "raw_batch_cores_busy": statistics.median(c / w / cores for c, w in zip(raw_cpu, raw_b)),
+        "switch_cores_busy": statistics.median(c / w / cores for c, w in zip(sw_cpu, sw)),
         "dcp_save_seconds": dcp_save, "dcp_load_seconds": dcp_load,
         "dcp_seconds": min(dcp), "dcp_checkpoint_bytes": results[0].get("dcp_checkpoint_bytes"),
         "speedup_vs_dcp": min(dcp) / min(sw),
@@ -585,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
           + f"; staging {result['peak_staging_bytes'] / MIB:.1f} MiB of "
           f"{args.budget / MIB:.0f} MiB; wall {result['wall_seconds']:.0f} s, load "
           f"{os.getloadavg()[0]:.2f}")
+    for r in rows:
+        print(f"{r['case']}: the switch used {r['switch_vs_raw_cpu_ratio']:.2f}x the CPU time "
+              f"of raw p2p (medians); the cores were {r['raw_batch_cores_busy']:.0%} busy "
+              f"during raw p2p, {r['switch_cores_busy']:.0%} during the switch")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")

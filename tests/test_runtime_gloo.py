@@ -33,7 +33,7 @@ from dynatrain.ir.loader import spec_from_dict
 from dynatrain.ir.state import StateView, transition_views
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Plan
-from dynatrain.runtime import exchange
+from dynatrain.runtime import exchange, executor
 from dynatrain.runtime.executor import SwitchAborted, process_devices, switch
 from dynatrain.runtime.local import global_state
 from dynatrain.runtime.storage import (ByteViews, allocate, byte_view, checksums,
@@ -287,6 +287,20 @@ def test_switch_is_bit_exact_across_processes(name: str, tmp_path: Path,
         assert len(job.plan.rounds) > 3
     if job.plan.derived:
         assert all("param" not in t.kinds for m in job.plan.messages() for t in m.transfers)
+
+
+@pytest.mark.parametrize("name", ["pp2-vpp2->tp2-pp2", "moe-ep4-etp1->tp2-etp2-ep2-pp2",
+                                  "tp1->tp2-dp2-small-budget", "derive-moe-ep4->ep2-edp2"])
+def test_rounds_posted_as_one_group_as_on_nccl_are_bit_exact(
+        name: str, tmp_path: Path, small_pieces: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The NCCL path run on gloo: each round one batch_isend_irecv, all staged sends packed
+    # first, unpacked after the batch. Every operation carries tag 0, so gloo matches the
+    # operations between two processes by posting order, as NCCL does: pieces posted out of
+    # order on one end would land in the wrong place (or mismatch in size) and fail here.
+    monkeypatch.setattr(executor, "posts_grouped", lambda pg: True)
+    job, results = run_switch(name, tmp_path)
+    assert [e for r in results for e in r["errors"]] == []
+    assert sum(r["report"]["bytes_sent"] for r in results) == job.plan.stats["bytes_moved"]
 
 
 @pytest.mark.parametrize("name", ["tp2->tp3", "moe-ep4-etp1->tp2-etp2-ep2-pp2",

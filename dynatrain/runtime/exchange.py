@@ -18,10 +18,15 @@ and posts the rest piece by piece (the network moves a piece while the next is p
 its local messages, prepares the next round and, where the budget allows, packs that round's
 staged sends while this round's transfers run, and finally waits for its receives in order,
 unpacking each staged piece as soon as it lands. Packing ahead only reads the source storage,
-which nothing writes during a switch, so it is safe at any time. Every operation of a round
-is non-blocking, so posting order cannot deadlock. A piece's tag is ``k * MAX_PIECES + piece
-index`` for the k-th message between its two devices in the round: unique among the round's
-operations between two processes.
+which nothing writes during a switch, so it is safe at any time.
+
+On gloo every operation of a round is independent and non-blocking, so posting order cannot
+deadlock. NCCL runs the operations between two ranks in the order they were posted, so there
+a round packs all of its staged sends, is posted as one group (``batch_isend_irecv``: pieces
+between two processes in tag order on both ends, as NCCL matches them by order) and unpacks
+once it completed. A piece's tag is ``k * MAX_PIECES + piece index`` for the k-th message
+between its two devices in the round: unique among the round's operations between two
+processes.
 """
 
 from __future__ import annotations
@@ -319,16 +324,39 @@ def _unpack(p: Piece) -> None:
         off += n
 
 
-def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tuple[str, ...],
-              timeout: float, where, wait: Callable,
-              prepare_next: Callable[[], RoundWork] | None
-              ) -> tuple[float, RoundWork | None]:
-    """Run one prepared round; returns its seconds and the next round's work, which
-    ``prepare_next`` prepares (and the arena packs ahead) while this round's transfers run."""
-    t0 = time.perf_counter()
+def posts_grouped(pg: dist.ProcessGroup) -> bool:
+    """Whether a round's operations must be posted as one group (``batch_isend_irecv``).
+
+    NCCL runs the operations between two ranks in the order they were posted: a receive
+    posted before a send, on both ends, waits forever unless the round is one NCCL group.
+    gloo's operations are independent, so each piece is posted as soon as it is packed.
+    """
+    return dist.get_backend(pg) != "gloo"
+
+
+def _post_grouped(work: RoundWork, pg: dist.ProcessGroup, where
+                  ) -> list[tuple[dist.Work | None, Piece | None, bool]]:
+    """Pack every staged send, then post the round as one group.
+
+    NCCL has no tags: operations between two processes in one direction match in posting
+    order, so both ends post them in tag order, which both compute alike. They all carry tag
+    0, so that gloo (in the tests) matches them by order too, as NCCL does."""
+    where.phase = "pack"
+    for p in work.sends:
+        if not (p.direct or p.ahead):
+            _pack(p)
     where.phase = "exchange"
-    arena.carve(work)
-    works: list[tuple[dist.Work | None, Piece, bool]] = []
+    ops = [dist.P2POp(dist.irecv, p.wire, group=pg, tag=0, group_peer=p.peer)
+           for p in sorted(work.recvs, key=lambda p: (p.peer, p.tag))]
+    ops += [dist.P2POp(dist.isend, p.wire, group=pg, tag=0, group_peer=p.peer)
+            for p in sorted(work.sends, key=lambda p: (p.peer, p.tag))]
+    return [(w, None, False) for w in (dist.batch_isend_irecv(ops) if ops else [])]
+
+
+def _post_each(work: RoundWork, pg: dist.ProcessGroup, where
+               ) -> list[tuple[dist.Work | None, Piece | None, bool]]:
+    """Post every receive, then every send as soon as it is packed (gloo)."""
+    works: list[tuple[dist.Work | None, Piece | None, bool]] = []
     for p in work.recvs:
         # The process group's own calls: dist.irecv/isend only add checks done here already.
         works.append((pg.recv([p.wire], p.peer, p.tag), p, True))
@@ -339,6 +367,20 @@ def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tup
             _pack(p)
             where.phase = "exchange"
         works.append((pg.send([p.wire], p.peer, p.tag), p, False))
+    return works
+
+
+def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tuple[str, ...],
+              timeout: float, where, wait: Callable,
+              prepare_next: Callable[[], RoundWork] | None, grouped: bool = False
+              ) -> tuple[float, RoundWork | None]:
+    """Run one prepared round; returns its seconds and the next round's work, which
+    ``prepare_next`` prepares (and the arena packs ahead) while this round's transfers run.
+    ``grouped``: post the round as one group (``posts_grouped``)."""
+    t0 = time.perf_counter()
+    where.phase = "exchange"
+    arena.carve(work)
+    works = _post_grouped(work, pg, where) if grouped else _post_each(work, pg, where)
     where.phase = "local copy"  # overlaps the exchange: no staging, no network
     for s, d in work.local_views():
         d.copy_(s)
@@ -350,12 +392,17 @@ def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tup
         arena.pack_ahead(nxt)
     deadline = time.monotonic() + timeout
     for w, p, is_recv in works:  # receives first (posted first): unpack each as it lands
-        where.phase, where.peer = "exchange", devices[p.peer]
+        where.phase, where.peer = "exchange", devices[p.peer] if p is not None else None
         wait(w, timeout, deadline)
         if is_recv and not p.direct:
             where.phase, where.peer = "unpack", None
             _unpack(p)
     where.peer = None
+    if grouped:  # one group: its receives are all complete now
+        where.phase = "unpack"
+        for p in work.recvs:
+            if not p.direct:
+                _unpack(p)
     for p in work.recvs + work.sends:
         p.wire = None  # drop views of the arena before it may be replaced
     return time.perf_counter() - t0, nxt

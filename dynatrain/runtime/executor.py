@@ -35,6 +35,11 @@ In both cases the source storage is untouched and a retry of the same ``switch``
 The vote has the limit of any commit protocol: a process that dies inside the vote itself may
 leave others committed; their sources are still intact, so the caller can roll back.
 
+On NCCL a round is posted as one group (``exchange.posts_grouped``) after a start barrier, and
+``Work.wait`` blocks the CPU, raising at the timeout, only when the group was created with
+``TORCH_NCCL_BLOCKING_WAIT=1`` in the environment; otherwise a hung peer is left to NCCL's
+watchdog, which by default tears the process down (the other processes' sources are intact).
+
 Process 0 logs one line per round to the ``dynatrain.runtime`` logger at INFO (silent unless
 the application configures logging), so a long switch shows its progress.
 """
@@ -54,7 +59,7 @@ from ..ir.errors import DynatrainError
 from ..ir.state import StateView
 from ..planner.plan import Plan
 from .derive import derive_params
-from .exchange import Arena, RoundWork, prepare_round, run_round, spread_local
+from .exchange import Arena, RoundWork, posts_grouped, prepare_round, run_round, spread_local
 from .storage import ByteViews, Storage, allocate, checksums, storage_layout
 
 log = logging.getLogger("dynatrain.runtime")
@@ -213,8 +218,13 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         pg.set_timeout(td)  # gloo collectives block their worker thread up to this long
         before = checksums(src_store) if verify_source and src_store is not None else None
         dst = _destination(dst_view, me, dst_store, on)
+        grouped = posts_grouped(pg)
+        if grouped:  # NCCL: a group's first collective must involve all of its ranks, and a
+            # round's batch may involve only some
+            where.phase = "start barrier"
+            _wait(dist.barrier(group=pg, async_op=True), timeout)
         reports = _run_rounds(plan, me, src_store, dst, pg, devices, timeout, where, on_round,
-                              arena)
+                              arena, grouped)
         where.round = None
         t = time.perf_counter()
         derive = (0, 0, 0)
@@ -299,7 +309,7 @@ def _destination(view: StateView, me: "_Me", given: Storage | None,
 def _run_rounds(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
                 pg: dist.ProcessGroup, devices: tuple[str, ...], timeout: float,
                 where: "_Where", on_round: Callable[[int], None] | None,
-                arena: Arena) -> list[RoundReport]:
+                arena: Arena, grouped: bool) -> list[RoundReport]:
     """Every round in order; round ``i + 1`` is prepared while round ``i``'s transfers run."""
     src_views = ByteViews(src) if src is not None else None
     dst_views = ByteViews(dst) if dst is not None else None
@@ -324,7 +334,7 @@ def _run_rounds(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
         if on_round is not None:
             on_round(i)
         seconds, nxt = run_round(work, arena, pg, devices, timeout, where, _wait,
-                                 (lambda: prepare(i + 1)) if i + 1 < n else None)
+                                 (lambda: prepare(i + 1)) if i + 1 < n else None, grouped)
         reports.append(RoundReport(i, seconds, work.bytes_sent, work.bytes_received,
                                    work.bytes_local, work.staging, work.planned_staging,
                                    work.packed_ahead))

@@ -37,6 +37,14 @@ def test_tiny_pair_switches_bit_exact_in_several_rounds(capfd) -> None:
     assert "budget 1.0 MiB" in out
 
 
+def test_check_transfers_reports_matching_fingerprints(capfd) -> None:
+    code, out, err = run_main(["run-plan", str(TINY / "pp2-dp2.yaml"), str(TINY / "tp2-dp2.yaml"),
+                               "--check-transfers", "--quiet"], capfd)
+    assert code == 0, (out, err)
+    assert "  bit-exact: yes (" in out
+    assert "  transfers every fingerprint matched at both ends inside the switch (" in out
+
+
 def test_a_world_too_large_for_local_processes_is_refused(capsys) -> None:
     code, out, err = run_main(["run-plan", str(BIG / "tp8-pp4-dp4.yaml"),
                                str(BIG / "tp8-pp8-dp2.yaml")], capsys)

@@ -9,7 +9,8 @@ destination rank. It also draws the exchange's wire-piece thresholds, so that on
 takes the default path (tiny tensors: everything packed in one run per message), another
 sends every segment of 64 bytes or more straight from and into storage in 256-byte chunks,
 and another packs every segment; and whether a round is posted as NCCL needs it (one
-``batch_isend_irecv``, operations matched by order) or piece by piece as on gloo. Each example
+``batch_isend_irecv``, operations matched by order) or piece by piece as on gloo, and whether
+the switch compares transfer fingerprints before committing (``check_transfers``). Each example
 forks up to 8 processes, so the ``ci`` profile runs a few dozen (derandomized: the same ones
 every run) and ``deep`` many more.
 """
@@ -44,12 +45,13 @@ PIECES = {"default": (exchange.DIRECT_MIN_BYTES, exchange.CHUNK_BYTES),
 @settings(max_examples=EXAMPLES, suppress_health_check=[HealthCheck.too_slow,
                                                         HealthCheck.filter_too_much])
 @given(t=transitions(max_world=MAX_PROCESSES, pool=POOL), seed=st.integers(0, 2**31 - 1),
-       pieces=st.sampled_from(sorted(PIECES)), grouped=st.booleans())
-def test_random_plan_runs_bit_exact_across_gloo_processes(t: Transition, seed: int,
-                                                          pieces: str, grouped: bool) -> None:
+       pieces=st.sampled_from(sorted(PIECES)), grouped=st.booleans(), check=st.booleans())
+def test_random_plan_runs_bit_exact_across_gloo_processes(t: Transition, seed: int, pieces: str,
+                                                          grouped: bool, check: bool) -> None:
     note(f"src = {t.src_doc!r}")
     note(f"dst = {t.dst_doc!r}")
-    note(f"budget = {t.budget}, place = {t.place!r}, pieces = {pieces}, grouped = {grouped}")
+    note(f"budget = {t.budget}, place = {t.place!r}, pieces = {pieces}, grouped = {grouped}, "
+         f"check = {check}")
     src, dst = Layout(t.src), Layout(t.dst)
     plan = plan_transition(src, dst, t.budget, place=t.place)
     devices = process_devices(plan)
@@ -62,7 +64,7 @@ def test_random_plan_runs_bit_exact_across_gloo_processes(t: Transition, seed: i
     with mock.patch.object(exchange, "DIRECT_MIN_BYTES", direct_min), \
             mock.patch.object(exchange, "CHUNK_BYTES", chunk), \
             mock.patch.object(executor, "posts_grouped", lambda pg: grouped):
-        results = run_local(plan, sv, dv, seed=seed, timeout=30.0)
+        results = run_local(plan, sv, dv, seed=seed, timeout=30.0, check_transfers=check)
     assert [e for r in results for e in r["errors"]] == []
     assert [r["device"] for r in results] == list(devices)
     for r in results:  # every destination rank was compared, tensor by tensor (a rank may

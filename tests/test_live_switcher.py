@@ -88,7 +88,8 @@ def test_live_switcher_prepares_switches_and_rolls_back() -> None:
             job = build(spec_a)
             for _ in range(2):
                 train(job)
-            sw = LiveSwitcher(spec_a, devices[rank], build, check, timeout=60)
+            sw = LiveSwitcher(spec_a, devices[rank], build, check, timeout=60,
+                              check_transfers=True)
 
             sw.prepare(spec_other)  # another model: the planner refuses it
             before = state(job)

@@ -105,7 +105,7 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
             return job
 
         out: dict = {"device": device, "events": []}
-        kw = dict(rendezvous=rdzv, timeout=TIMEOUT,
+        kw = dict(rendezvous=rdzv, timeout=TIMEOUT, check_transfers=True,
                   init_kwargs=dict(create_gloo_process_groups=False))
         if not fresh:
             rdzv.form("start", DEV, device)

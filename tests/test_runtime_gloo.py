@@ -102,11 +102,12 @@ class Job:
     devices: tuple[str, ...]
     out: Path
     timeout: float
-    fault: str = "none"  # none | raise | hang | vote | kill
+    fault: str = "none"  # none | raise | hang | vote | kill | corrupt
     victim: int = 1  # process index the fault hits
     fault_round: int = 1
     given_dst: bool = False  # pass allocated destination storage as dst_store
     replacement: bool = False  # a process started in place of a killed one: retry only
+    check_transfers: bool = False  # switch(check_transfers=...) on every attempt
 
 
 def _init(job: Job, idx: int, attempt: int) -> None:
@@ -175,6 +176,19 @@ def _fault_hook(job: Job, src, saved: list):
     return hook
 
 
+def _corrupting(unpack):
+    """``exchange._unpack`` that flips one bit of the first piece it unpacks (a bad link or a
+    runtime bug), then unpacks faithfully."""
+    state = {"done": False}
+
+    def corrupt(p) -> None:
+        unpack(p)
+        if not state["done"]:
+            state["done"] = True
+            p.views[0].view(-1)[0] ^= 1
+    return corrupt
+
+
 def _worker(idx: int, job: Job) -> None:
     torch.set_num_threads(1)  # 2 cores shared by up to 8 processes
     device = job.devices[idx]
@@ -190,14 +204,18 @@ def _worker(idx: int, job: Job) -> None:
         hook = _fault_hook(job, src, saved) if job.fault != "none" and idx == job.victim else None
         if job.fault != "none" and not job.replacement:
             t0 = time.perf_counter()
+            unpack = exchange._unpack
+            if job.fault == "corrupt" and idx == job.victim:
+                exchange._unpack = _corrupting(unpack)
             try:
                 switch(job.plan, job.src, job.dst, device, src, timeout=job.timeout,
-                       verify_source=True, on_round=hook)
+                       verify_source=True, on_round=hook, check_transfers=job.check_transfers)
                 res["errors"].append(f"{device}: the faulty switch committed")
             except SwitchAborted as err:
                 res["abort"] = {"message": str(err), "seconds": time.perf_counter() - t0,
                                 "round": err.round_index, "peer": err.peer,
                                 "group_destroyed": err.group_destroyed}
+            exchange._unpack = unpack
             for k, original in saved:
                 src[k].copy_(original)
             if src is not None and checksums(src) != before:
@@ -209,7 +227,7 @@ def _worker(idx: int, job: Job) -> None:
         if job.given_dst and device in job.plan.dst_devices:
             given = allocate(job.dst, job.plan.dst_devices.index(device))
         dst, report = switch(job.plan, job.src, job.dst, device, src, timeout=job.timeout,
-                             dst_store=given)
+                             dst_store=given, check_transfers=job.check_transfers)
         if given is not None and dst is not given:
             res["errors"].append(f"{device}: dst_store was not the storage returned")
         res["seconds"] = time.perf_counter() - t0
@@ -406,6 +424,29 @@ def test_killed_process_aborts_everywhere_then_retry_with_a_replacement_commits(
             assert r["abort"]["seconds"] < 15 and r["abort"]["group_destroyed"], r["abort"]
             assert r["abort"]["round"] is not None, r["abort"]
     assert "abort" not in results[1]  # the replacement only ran the retry
+
+
+def test_corrupted_transfer_is_found_voted_out_everywhere_then_retry_commits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every piece packed, so the victim's unpack runs; it flips one bit of what it received.
+    # Under check_transfers the destination's fingerprint differs from the source's: every
+    # process aborts at the vote (group kept), sources intact; the retry commits.
+    monkeypatch.setattr(exchange, "DIRECT_MIN_BYTES", 1 << 62)
+    job, results = run_switch("moe-ep4-etp1->tp2-etp2-ep2-pp2", tmp_path, timeout=10.0,
+                              fault="corrupt", victim=5, check_transfers=True)
+    assert [e for r in results for e in r["errors"]] == []
+    assert "differs at destination rank" in results[5]["abort"]["message"]
+    for r in results:
+        assert "commit vote" in r["abort"]["message"], r["abort"]
+        assert r["abort"]["peer"] == job.devices[5] and not r["abort"]["group_destroyed"]
+        assert r["report"]["rounds"] == len(job.plan.rounds)  # the retry committed
+        assert r["report"]["check_seconds"] > 0
+
+
+def test_transfer_check_passes_on_a_faithful_switch(tmp_path: Path, small_pieces: None) -> None:
+    job, results = run_switch("derive-moe-ep4->ep2-edp2", tmp_path, check_transfers=True)
+    assert [e for r in results for e in r["errors"]] == []
+    assert all(r["report"]["check_seconds"] > 0 for r in results)
 
 
 def test_hung_process_times_out_everywhere_then_retry_commits(tmp_path: Path) -> None:

@@ -28,8 +28,10 @@ seconds per pending operation:
   its connections, so peers blocked on this process fail at once (measured: ~50 ms) instead
   of at their timeout; with operations pending gloo keeps them open and peers time out.
   Retry in a fresh group (``init_process_group``/``new_group`` again).
-- a failed vote (a process found a problem after all its messages completed, e.g. its source
-  checksum changed under ``verify_source``) leaves ``group`` consistent and usable: retry in it.
+- a failed vote (a process found a problem after all its messages completed: its source
+  checksum changed under ``verify_source``, or under ``check_transfers`` a transfer's bytes at
+  its destination differ from those at its source) leaves ``group`` consistent and usable:
+  retry in it.
 
 In both cases the source storage is untouched and a retry of the same ``switch`` may succeed.
 The vote has the limit of any commit protocol: a process that dies inside the vote itself may
@@ -60,6 +62,7 @@ from ..ir.state import StateView
 from ..planner.plan import Plan
 from .derive import derive_params
 from .exchange import Arena, RoundWork, posts_grouped, prepare_round, run_round, spread_local
+from .fingerprint import compare_transfers
 from .storage import ByteViews, Storage, allocate, checksums, storage_layout
 
 log = logging.getLogger("dynatrain.runtime")
@@ -111,6 +114,7 @@ class SwitchReport:
     derive_bytes_received: int
     derive_staging_bytes: int
     derive_seconds: float
+    check_seconds: float  # comparing transfer fingerprints (check_transfers), else ~0
     vote_seconds: float
     total_seconds: float
 
@@ -140,6 +144,7 @@ class SwitchReport:
             "derive_bytes_received": self.derive_bytes_received,
             "derive_staging_bytes": self.derive_staging_bytes,
             "derive_seconds": self.derive_seconds,
+            "check_seconds": self.check_seconds,
             "vote_seconds": self.vote_seconds,
             "total_seconds": self.total_seconds,
             "per_round": [asdict(r) for r in self.rounds],
@@ -174,7 +179,8 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
            group: dist.ProcessGroup | None = None, *, timeout: float = 60.0,
            destroy_group_on_abort: bool = True, verify_source: bool = False,
            on_round: Callable[[int], None] | None = None,
-           dst_store: Storage | None = None) -> tuple[Storage | None, dict]:
+           dst_store: Storage | None = None,
+           check_transfers: bool = False) -> tuple[Storage | None, dict]:
     """Run ``plan`` on this process; every process of the switch calls it.
 
     Args:
@@ -195,6 +201,10 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         dst_store: destination storage to write into instead of allocating it: zero-filled,
             with ``allocate(dst_view, rank)``'s keys, shapes and dtypes (e.g. allocated ahead
             of time). Returned on commit; on abort its contents are undefined.
+        check_transfers: after the last round, compare a fingerprint of every transfer's bytes
+            at its destination with one taken at its source (``fingerprint.py``; one
+            all-reduce, about one more read of the moved bytes on each end) and vote failure
+            on any difference.
 
     Returns:
         (destination storage, or None if the device is not a destination device; the report
@@ -233,6 +243,14 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
             derive = derive_params(plan, dst_view, me.dst_rank, dst, pg, devices, timeout,
                                    where, _wait, on)
         derive_seconds = time.perf_counter() - t
+        t = time.perf_counter()
+        corrupted: list[str] = []
+        if check_transfers:
+            where.phase = "check transfers"
+            corrupted = compare_transfers(
+                plan, device, ByteViews(src_store) if src_store is not None else None,
+                ByteViews(dst) if dst is not None else None, pg, on, timeout, _wait)
+        check_seconds = time.perf_counter() - t
     except Exception as err:  # noqa: BLE001 — every failure becomes one SwitchAborted
         raise _abort(err, device, where, pg, destroy_group_on_abort) from err
     finally:
@@ -245,6 +263,9 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         where.phase = "check"
         if before is not None and checksums(src_store) != before:
             problem = "its source storage changed during the switch"
+        elif corrupted:
+            more = f" (and {len(corrupted) - 1} more)" if len(corrupted) > 1 else ""
+            problem = f"{corrupted[0]}{more}"
     except Exception as err:  # noqa: BLE001
         problem = f"{type(err).__name__}: {err}"
     t = time.perf_counter()
@@ -263,7 +284,7 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
                             device=device, peer=failed[0])
     report = SwitchReport(device, me.index, me.src_rank, me.dst_rank, tuple(reports),
                           plan.budget_bytes, peak_staging, derive[0], derive[1], derive[2],
-                          derive_seconds, time.perf_counter() - t,
+                          derive_seconds, check_seconds, time.perf_counter() - t,
                           time.perf_counter() - t_start)
     if me.index == 0:
         log.info("switch committed: %d rounds in %.3f s (%s)", len(reports),

@@ -45,6 +45,7 @@ class _Job:
     seed: int
     timeout: float
     progress: bool
+    check_transfers: bool
 
 
 def global_state(view: StateView, seed: int, derived: bool) -> dict:
@@ -83,7 +84,8 @@ def _worker(idx: int, job: _Job) -> None:
             src = fill_from_global(job.src, plan.src_devices.index(device), tensors)
         dist.barrier()
         t0 = time.perf_counter()
-        dst, report = switch(plan, job.src, job.dst, device, src, timeout=job.timeout)
+        dst, report = switch(plan, job.src, job.dst, device, src, timeout=job.timeout,
+                             check_transfers=job.check_transfers)
         dist.barrier()
         res["seconds"] = time.perf_counter() - t0
         res["report"] = {k: v for k, v in report.items() if k != "per_round"}
@@ -110,7 +112,8 @@ def _worker(idx: int, job: _Job) -> None:
 
 
 def run_local(plan: Plan, src: StateView, dst: StateView, *, seed: int = 0,
-              timeout: float = 60.0, progress: bool = False) -> list[dict]:
+              timeout: float = 60.0, progress: bool = False,
+              check_transfers: bool = False) -> list[dict]:
     """Run ``plan`` in one local process per device; each process's result, in device order.
 
     A result holds ``device``, ``errors`` (empty when its destination is bit-exact and the
@@ -122,7 +125,8 @@ def run_local(plan: Plan, src: StateView, dst: StateView, *, seed: int = 0,
     """
     devices = process_devices(plan)
     with tempfile.TemporaryDirectory(prefix="dynatrain-run-") as tmpdir:
-        job = _Job(plan, src, dst, devices, Path(tmpdir), seed, timeout, progress)
+        job = _Job(plan, src, dst, devices, Path(tmpdir), seed, timeout, progress,
+                   check_transfers)
         ctx = tmp.start_processes(_worker, args=(job,), nprocs=len(devices), join=False,
                                   start_method="fork")
         # Every wait of the switch may take ``timeout``: rounds, derive, vote, plus setup.

@@ -95,6 +95,8 @@ class LiveSwitcher:
         group: the process group of a same-devices job (None: the default group).
         init_kwargs: extra ``initialize_model_parallel`` arguments (e.g.
             ``create_gloo_process_groups``), used for every layout.
+        check_transfers: compare every transfer's fingerprint at both ends before a switch
+            commits (``executor.switch``).
 
     Example:
         >>> sw = LiveSwitcher(spec_a, "node0:gpu3", build, check, rendezvous=rdzv)  # doctest: +SKIP
@@ -106,7 +108,8 @@ class LiveSwitcher:
     def __init__(self, spec: LayoutSpec | None, device: str, build: Builder, verify: Verifier,
                  *, rendezvous: Rendezvous | None = None, budget_bytes: int = 2 << 30,
                  timeout: float = 60.0, group: dist.ProcessGroup | None = None,
-                 topology: Topology = H100, init_kwargs: dict | None = None) -> None:
+                 topology: Topology = H100, init_kwargs: dict | None = None,
+                 check_transfers: bool = False) -> None:
         self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
         if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
@@ -117,6 +120,7 @@ class LiveSwitcher:
         self.rendezvous = rendezvous
         self.budget_bytes, self.timeout, self.group = budget_bytes, timeout, group
         self.topology, self.init_kwargs = topology, dict(init_kwargs or {})
+        self.check_transfers = check_transfers
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynatrain-plan")
         self._pending: Future[Prepared] | None = None
         self._generation = 0  # the last switch announced in the rendezvous that this job saw
@@ -269,7 +273,7 @@ class LiveSwitcher:
         t.append(time.perf_counter())
         try:
             dst, report = switch(prep.plan, src_view, dst_view, self.device, src, self.group,
-                                 timeout=self.timeout)
+                                 timeout=self.timeout, check_transfers=self.check_transfers)
         except SwitchAborted as err:
             if not err.group_destroyed:
                 raise SwitchFailed(f"{err}; the job trains on", job) from err

@@ -80,7 +80,8 @@ class WorldSwitch:
             lap("plan_vote")
             src_view, dst_view = transition_views(prep.src, prep.dst)
             dst_store, report = switch(prep.plan, src_view, dst_view, self.device, src_store,
-                                       None, timeout=self.sw.timeout)
+                                       None, timeout=self.sw.timeout,
+                                       check_transfers=self.sw.check_transfers)
             src_store = None
             lap("exchange")
             rdzv.leave()

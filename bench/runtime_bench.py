@@ -13,7 +13,8 @@ that every method sees the same machine load:
 - switch: ``dynatrain.runtime.executor.switch`` end to end (local copies, packing, exchange,
   unpacking, commit vote) into preallocated destination storage (``dst_store``, as DCP loads
   into an allocated state dict), and once more allocating its destination itself; both are
-  checked bit for bit against the storage built directly from the global tensors;
+  checked bit for bit against the storage built directly from the global tensors; and once
+  more with ``check_transfers`` (fingerprints of every transfer compared before the vote);
 - dcp: the same state resharded through ``torch.distributed.checkpoint``: every source rank
   saves its boxes to a directory on tmpfs (``/dev/shm``), then every destination rank loads
   its boxes from it into preallocated storage; the loaded storage is checked bit for bit.
@@ -375,7 +376,7 @@ def _worker(idx: int, job: Job) -> None:
     device = job.devices[idx]
     res: dict[str, Any] = {"device": device, "errors": []}
     for k in ("raw_sendrecv", "raw_batch", "switch", "switch_alloc", "dcp_save", "dcp_load",
-              "raw_batch_cpu", "switch_cpu"):
+              "raw_batch_cpu", "switch_cpu", "switch_checked"):
         res[k] = []
     try:
         dist.init_process_group("gloo", init_method=f"file://{job.out}/store", rank=idx,
@@ -406,6 +407,14 @@ def _worker(idx: int, job: Job) -> None:
             if rep == 0:
                 res["errors"] += [f"switch into dst_store: {e}" for e in _mismatches(dst, want)]
                 res["report"] = {k: v for k, v in report.items() if k != "per_round"}
+            del dst, given
+            given = _touched(job.dst, dst_rank)
+            seconds, (dst, report) = _timed(
+                lambda: switch(plan, job.src, job.dst, device, src, timeout=120.0,
+                               dst_store=given, check_transfers=True))
+            res["switch_checked"].append(seconds)
+            if rep == 0:
+                res["errors"] += [f"checked switch: {e}" for e in _mismatches(dst, want)]
             del dst, given
         for rep in range(max(1, job.repeats // 2)):
             save_s, load_s, dst, size = _dcp_once(job, src, src_rank, dst_rank)
@@ -478,6 +487,7 @@ def _reduce(name: str, plan: Plan, results: list[dict]) -> dict[str, Any]:
     raw_b = _per_repeat(results, "raw_batch")
     sw = _per_repeat(results, "switch")
     sw_alloc = _per_repeat(results, "switch_alloc")
+    sw_checked = _per_repeat(results, "switch_checked")
     dcp_save, dcp_load = _per_repeat(results, "dcp_save"), _per_repeat(results, "dcp_load")
     dcp = [a + b for a, b in zip(dcp_save, dcp_load)]
     # CPU seconds per repeat, summed over the processes: on a host with fewer cores than
@@ -505,6 +515,9 @@ def _reduce(name: str, plan: Plan, results: list[dict]) -> dict[str, Any]:
         "switch_vs_raw_p2p_ratio": raw_best / min(sw),
         "switch_vs_raw_p2p_median_ratio": raw_med / statistics.median(sw),
         "switch_alloc_vs_raw_p2p_ratio": raw_best / min(sw_alloc),
+        "switch_checked_seconds": sw_checked,
+        # check_transfers: fingerprints of every transfer at both ends before the vote
+        "check_transfers_cost_ratio": min(sw_checked) / min(sw),
         "raw_batch_cpu_seconds": raw_cpu, "switch_cpu_seconds": sw_cpu,
         "switch_vs_raw_cpu_ratio": statistics.median(sw_cpu) / statistics.median(raw_cpu),
         "raw_batch_cores_busy": statistics.median(c / w / cores for c, w in zip(raw_cpu, raw_b)),
@@ -603,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['case']}: the switch used {r['switch_vs_raw_cpu_ratio']:.2f}x the CPU time "
               f"of raw p2p (medians); the cores were {r['raw_batch_cores_busy']:.0%} busy "
-              f"during raw p2p, {r['switch_cores_busy']:.0%} during the switch")
+              f"during raw p2p, {r['switch_cores_busy']:.0%} during the switch; with "
+              f"check_transfers the switch took {r['check_transfers_cost_ratio']:.1f}x as long")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")

@@ -1,7 +1,9 @@
-"""Transfer fingerprints: exactly the documented formula, independent of how the bytes are cut
-into views, and moved by any changed or displaced byte."""
+"""Transfer fingerprints: exactly the documented formula, independent of how a segment is cut
+into chunks or laid out in memory, and moved by any changed or displaced byte or segment."""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from hypothesis import given, settings
@@ -12,43 +14,59 @@ from dynatrain.runtime import fingerprint as fp
 CPU = torch.device("cpu")
 
 
-def _reference(data: bytes) -> list[int]:
+def _reference(segments: list[bytes]) -> list[int]:
     """The documented formula in plain Python integers."""
-    return [sum(data) % fp.PRIME, sum((i + 1) * b for i, b in enumerate(data)) % fp.PRIME]
+    s1 = s2 = 0
+    for k, data in enumerate(segments):
+        padded = data + b"\0" * (len(data) % 2)
+        words = [int.from_bytes(padded[i:i + 2], sys.byteorder, signed=True)
+                 for i in range(0, len(padded), 2)]
+        a = sum(words)
+        b = sum((i + 1) * w for i, w in enumerate(words))
+        s1 += a
+        s2 += b + (k + 1) * a
+    return [s1 % fp.PRIME, s2 % fp.PRIME]
+
+
+def _tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+        torch.empty(0, dtype=torch.uint8)
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.binary(min_size=0, max_size=700), cuts=st.lists(st.integers(0, 700), max_size=5))
-def test_fingerprint_is_the_formula_however_the_bytes_are_cut(data: bytes, cuts: list[int]
-                                                                ) -> None:
-    whole = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
-        torch.empty(0, dtype=torch.uint8)
-    bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
-    pieces = [whole[a:b] for a, b in zip(bounds, bounds[1:])]
-    assert fp.fingerprint([whole], CPU).tolist() == _reference(data)
-    assert fp.fingerprint(pieces, CPU).tolist() == _reference(data)
+@given(segments=st.lists(st.binary(max_size=300), max_size=4), chunk=st.sampled_from([2, 8, 64]))
+def test_fingerprint_is_the_formula_in_any_chunking(segments: list[bytes], chunk: int) -> None:
+    views = [_tensor(d) for d in segments]
+    assert fp.fingerprint(views, CPU).tolist() == _reference(segments)
+    saved = fp.CHUNK
+    try:
+        fp.CHUNK = chunk  # many chunks per segment: the same value
+        assert fp.fingerprint(views, CPU).tolist() == _reference(segments)
+    finally:
+        fp.CHUNK = saved
 
 
-def test_large_and_strided_views_match_the_formula(monkeypatch) -> None:
-    monkeypatch.setattr(fp, "CHUNK", 1000)  # several chunks, none a multiple of ROW
+def test_strided_and_odd_views_match_the_formula() -> None:
     gen = torch.Generator().manual_seed(3)
     grid = torch.randint(0, 256, (37, 130), dtype=torch.uint8, generator=gen)
-    strided = grid[:, 7:101]  # rows of 94 bytes, 130 apart
-    assert not strided.is_contiguous()
-    assert fp.fingerprint([strided], CPU).tolist() == _reference(bytes(strided.flatten().tolist()))
+    strided = grid[:, 7:100]  # rows of 93 bytes, 130 apart: odd lengths and addresses
+    odd = grid.view(-1)[1:2001]  # starts at an odd address
+    assert not strided.is_contiguous() and odd.data_ptr() % 2
+    want = _reference([bytes(strided.flatten().tolist()), bytes(odd.tolist())])
+    assert fp.fingerprint([strided, odd], CPU).tolist() == want
 
 
-def test_a_changed_or_displaced_byte_moves_the_fingerprint() -> None:
+def test_a_changed_or_displaced_byte_or_segment_moves_the_fingerprint() -> None:
     gen = torch.Generator().manual_seed(4)
     data = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=gen)
     base = fp.fingerprint([data], CPU)
     flipped = data.clone()
     flipped[1234] ^= 1
     assert fp.fingerprint([flipped], CPU)[0] != base[0]
-    swapped = data.clone()
-    i, j = 10, 4000
-    while swapped[i] == swapped[j]:
-        j += 1
-    swapped[i], swapped[j] = data[j].item(), data[i].item()
-    moved = fp.fingerprint([swapped], CPU)
-    assert moved[0] == base[0] and moved[1] != base[1]
+    moved = data.clone()  # two different 16-bit words trade places: same sum, other positions
+    moved[10:12], moved[4000:4002] = data[4000:4002], data[10:12]
+    assert not torch.equal(data[10:12], data[4000:4002])
+    got = fp.fingerprint([moved], CPU)
+    assert got[0] == base[0] and got[1] != base[1]
+    a, b = data[:100], data[100:300]
+    assert fp.fingerprint([a, b], CPU)[1] != fp.fingerprint([b, a], CPU)[1]

@@ -8,11 +8,15 @@ the last round. One all-reduce gathers the source fingerprints (each transfer ha
 every other process adds zeros); each destination compares its own. A mismatch is voted, so the
 switch aborts everywhere with the source untouched.
 
-The fingerprint of a byte string ``b[0..n)`` is ``(sum b[i], sum (i + 1) * b[i])`` modulo the
-prime ``2**31 - 1``: any changed byte moves the first, bytes moved to other positions move the
-second. It is a function of the concatenated bytes only, so both ends agree however their views
-are cut, and it is computed with a few integer reductions per chunk on the tensors' device,
-with one host sync per switch. It detects accidents, not adversaries.
+A transfer's bytes come as segments (one per state kind and stacked member, the same segments,
+in the same order and of the same sizes, on both ends: the wire pieces rely on it). A segment's
+bytes, padded to even length with a zero byte, are read as signed 16-bit words in the machine's
+byte order, ``w[0..m)``; its sums are ``a = sum w[i]`` and ``b = sum (i + 1) * w[i]``. The
+fingerprint of segments ``0..K`` is ``(sum a_k, sum (b_k + (k + 1) * a_k))`` modulo the prime
+``2**31 - 1``: a changed byte moves the first, displaced bytes or segments the second. It is
+computed per chunk of a segment as float64 sums and dot products (exact: every partial sum
+stays below 2**53), on the tensors' device, and reduced modulo the prime in int64. It detects
+accidents, not adversaries.
 """
 
 from __future__ import annotations
@@ -26,41 +30,44 @@ from ..planner.plan import Plan, Transfer
 from .storage import ByteViews
 
 PRIME = (1 << 31) - 1
-ROW = 64  # bytes per row of the reductions: positions are row * ROW + column
-CHUNK = 1 << 20  # bytes reduced at once (bounds the int64 temporaries and keeps sums exact)
+CHUNK = 1 << 20  # bytes per dot product: 2**19 words of |w| < 2**15 keep sums below 2**52
+_POSITIONS: dict[torch.device, torch.Tensor] = {}  # 0, 1, 2, ... as float64, per device
+
+
+def _positions(n: int, on: torch.device) -> torch.Tensor:
+    have = _POSITIONS.get(on)
+    if have is None or have.numel() < n:
+        have = _POSITIONS[on] = torch.arange(max(n, CHUNK // 2), dtype=torch.float64,
+                                             device=on)
+    return have[:n]
 
 
 def fingerprint(views: list[torch.Tensor], on: torch.device) -> torch.Tensor:
-    """The fingerprint of the concatenated bytes of ``views`` (uint8 views), as int64 [2]."""
+    """The fingerprint of segments ``views`` (uint8 views, in order), as int64 [2]."""
     s1 = torch.zeros((), dtype=torch.int64, device=on)
     s2 = torch.zeros((), dtype=torch.int64, device=on)
-    off = 0
-    for v in views:
-        flat = v.reshape(-1)  # a copy only where the view is strided
-        for lo in range(0, flat.numel(), CHUNK):
-            x = flat[lo:lo + CHUNK]
-            c1, cw = _sums(x)
-            # sum over the chunk of (off + j + 1) * x[j] = (off + 1) * c1 + sum j * x[j]
-            s2 = (s2 + ((off + 1) % PRIME) * (c1 % PRIME) + cw % PRIME) % PRIME
-            s1 = (s1 + c1) % PRIME
-            off += x.numel()
+    for k, v in enumerate(views):
+        a, b = _segment(v.reshape(-1), on)  # reshape copies only a strided view
+        s1 = (s1 + a) % PRIME
+        s2 = (s2 + b + ((k + 1) % PRIME) * a) % PRIME
     return torch.stack([s1, s2])
 
 
-def _sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum x[j], sum j * x[j]) of a flat uint8 chunk, exactly, in int64."""
-    n = x.numel()
-    full = n - n % ROW
-    rows = x[:full].view(-1, ROW)
-    row_sums = rows.sum(1, dtype=torch.int64)
-    col_sums = rows.sum(0, dtype=torch.int64)
-    tail = x[full:].to(torch.int64)
-    r = torch.arange(row_sums.numel(), dtype=torch.int64, device=x.device)
-    c = torch.arange(ROW, dtype=torch.int64, device=x.device)
-    t = torch.arange(full, n, dtype=torch.int64, device=x.device)
-    c1 = row_sums.sum() + tail.sum()
-    cw = ROW * (row_sums * r).sum() + (col_sums * c).sum() + (tail * t).sum()
-    return c1, cw
+def _segment(flat: torch.Tensor, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b) of one segment's bytes, each reduced modulo ``PRIME``."""
+    a = torch.zeros((), dtype=torch.int64, device=on)
+    b = torch.zeros((), dtype=torch.int64, device=on)
+    for lo in range(0, flat.numel(), CHUNK):
+        x = flat[lo:lo + CHUNK]
+        if x.numel() % 2 or x.data_ptr() % 2:  # the odd last byte, or an odd address
+            x = torch.cat([x, x.new_zeros(x.numel() % 2)])
+        w = x.view(torch.int16).to(torch.float64)
+        c = w.sum().to(torch.int64) % PRIME
+        # sum over the chunk of (lo / 2 + j + 1) * w[j] = (lo / 2 + 1) * c + sum j * w[j]
+        cw = torch.dot(w, _positions(w.numel(), on)).to(torch.int64) % PRIME
+        b = (b + ((lo // 2 + 1) % PRIME) * c + cw) % PRIME
+        a = (a + c) % PRIME
+    return a, b
 
 
 def _transfers(plan: Plan) -> Iterator[tuple[int, str, str, Transfer]]:

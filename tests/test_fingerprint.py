@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -46,14 +47,29 @@ def test_fingerprint_is_the_formula_in_any_chunking(segments: list[bytes], chunk
         fp.CHUNK = saved
 
 
-def test_strided_and_odd_views_match_the_formula() -> None:
+@pytest.mark.parametrize("chunk", [64, 1000, 1 << 20])
+def test_strided_and_odd_views_match_the_formula(chunk: int, monkeypatch) -> None:
+    # Blocks of whole 93-byte rows have odd lengths: their last byte starts the next word.
+    monkeypatch.setattr(fp, "CHUNK", chunk)
     gen = torch.Generator().manual_seed(3)
     grid = torch.randint(0, 256, (37, 130), dtype=torch.uint8, generator=gen)
     strided = grid[:, 7:100]  # rows of 93 bytes, 130 apart: odd lengths and addresses
+    cube = torch.randint(0, 256, (5, 9, 41), dtype=torch.uint8, generator=gen)[1:4, :, 3:40]
     odd = grid.view(-1)[1:2001]  # starts at an odd address
-    assert not strided.is_contiguous() and odd.data_ptr() % 2
-    want = _reference([bytes(strided.flatten().tolist()), bytes(odd.tolist())])
-    assert fp.fingerprint([strided, odd], CPU).tolist() == want
+    assert not strided.is_contiguous() and not cube.is_contiguous() and odd.data_ptr() % 2
+    want = _reference([bytes(v.flatten().tolist()) for v in (strided, cube, odd)])
+    assert fp.fingerprint([strided, cube, odd], CPU).tolist() == want
+
+
+@pytest.mark.parametrize("chunk", [64, 1000])
+def test_blocks_cover_a_strided_view_in_order_and_stay_small(chunk: int, monkeypatch) -> None:
+    # A strided segment is copied block by block, never whole.
+    monkeypatch.setattr(fp, "CHUNK", chunk)
+    view = torch.arange(40 * 3 * 700, dtype=torch.int32).view(torch.uint8).view(40, 3, 2800)
+    view = view[:, 1:, 5:2705]  # rows longer than the chunk: cut inside rows too
+    blocks = list(fp._blocks(view))
+    assert all(b.numel() <= chunk for b in blocks)
+    assert torch.equal(torch.cat(blocks), view.reshape(-1))
 
 
 def test_a_changed_or_displaced_byte_or_segment_moves_the_fingerprint() -> None:

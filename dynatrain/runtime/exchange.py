@@ -238,7 +238,8 @@ class Arena:
     ``buf`` holds the staged pieces of the running round that were not packed ahead;
     ``ahead[k]`` the sends packed ahead for the rounds of parity ``k`` (round ``i + 1`` is
     packed while round ``i``'s sends, in the other one, may still be on the wire). ``peak`` is
-    the most bytes the three held at once: the staging memory really used.
+    the most bytes the three held at once (on CUDA the caching allocator may keep freed
+    buffers reserved beyond that).
     """
 
     def __init__(self, device: torch.device | None = None, budget: int | None = None) -> None:

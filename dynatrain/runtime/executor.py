@@ -94,7 +94,7 @@ class RoundReport:
     bytes_sent: int
     bytes_received: int
     bytes_local: int
-    staging_bytes: int  # bytes of this round's pieces this device staged (from the arena)
+    staging_bytes: int  # bytes of this round's pieces that went through the staging arena
     planned_staging_bytes: int  # what the plan says this device stages in the round
     packed_ahead_bytes: int  # of staging_bytes, sends packed during the previous round
 
@@ -109,7 +109,7 @@ class SwitchReport:
     dst_rank: int | None
     rounds: tuple[RoundReport, ...]
     budget_bytes: int
-    peak_staging_bytes: int  # the most staging memory the arena held at once (<= budget)
+    peak_staging_bytes: int  # the most bytes the arena's buffers held at once (<= budget)
     derive_bytes_sent: int
     derive_bytes_received: int
     derive_staging_bytes: int
@@ -202,9 +202,9 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
             with ``allocate(dst_view, rank)``'s keys, shapes and dtypes (e.g. allocated ahead
             of time). Returned on commit; on abort its contents are undefined.
         check_transfers: after the last round, compare a fingerprint of every transfer's bytes
-            at its destination with one taken at its source (``fingerprint.py``; one
-            all-reduce, about one more read of the moved bytes on each end) and vote failure
-            on any difference.
+            at its destination with one taken at its source (``fingerprint.py``: every moved
+            byte is read once more on each end, then one all-reduce) and vote failure on any
+            difference. Every process of the switch must pass the same value.
 
     Returns:
         (destination storage, or None if the device is not a destination device; the report
@@ -232,7 +232,8 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         if grouped:  # NCCL: a group's first collective must involve all of its ranks, and a
             # round's batch may involve only some
             where.phase = "start barrier"
-            _wait(dist.barrier(group=pg, async_op=True), timeout)
+            ids = [on.index] if on.type == "cuda" and on.index is not None else None
+            _wait(dist.barrier(group=pg, async_op=True, device_ids=ids), timeout)
         reports = _run_rounds(plan, me, src_store, dst, pg, devices, timeout, where, on_round,
                               arena, grouped)
         where.round = None

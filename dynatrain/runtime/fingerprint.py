@@ -30,14 +30,15 @@ from ..planner.plan import Plan, Transfer
 from .storage import ByteViews
 
 PRIME = (1 << 31) - 1
-CHUNK = 1 << 20  # bytes per dot product: 2**19 words of |w| < 2**15 keep sums below 2**52
+CHUNK = 1 << 20  # bytes per dot product (even): 2**19 + 1 words of |w| <= 2**15 keep every
+# partial sum below 2**53
 _POSITIONS: dict[torch.device, torch.Tensor] = {}  # 0, 1, 2, ... as float64, per device
 
 
 def _positions(n: int, on: torch.device) -> torch.Tensor:
     have = _POSITIONS.get(on)
     if have is None or have.numel() < n:
-        have = _POSITIONS[on] = torch.arange(max(n, CHUNK // 2), dtype=torch.float64,
+        have = _POSITIONS[on] = torch.arange(max(n, CHUNK // 2 + 1), dtype=torch.float64,
                                              device=on)
     return have[:n]
 
@@ -47,27 +48,57 @@ def fingerprint(views: list[torch.Tensor], on: torch.device) -> torch.Tensor:
     s1 = torch.zeros((), dtype=torch.int64, device=on)
     s2 = torch.zeros((), dtype=torch.int64, device=on)
     for k, v in enumerate(views):
-        a, b = _segment(v.reshape(-1), on)  # reshape copies only a strided view
+        a, b = _segment(v, on)
         s1 = (s1 + a) % PRIME
         s2 = (s2 + b + ((k + 1) % PRIME) * a) % PRIME
     return torch.stack([s1, s2])
 
 
-def _segment(flat: torch.Tensor, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _blocks(v: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``v``'s bytes in row-major order as flat blocks of at most ``CHUNK`` bytes: a strided
+    view is copied one block at a time, never whole (a local segment can be a large share of
+    a parameter, more than the staging budget)."""
+    if v.numel() <= CHUNK:
+        yield v.reshape(-1)
+        return
+    d = next(i for i, size in enumerate(v.shape) if size > 1)
+    row = v.numel() // v.shape[d]
+    step = max(1, CHUNK // row)
+    for lo in range(0, v.shape[d], step):
+        sub = v.narrow(d, lo, min(step, v.shape[d] - lo))
+        yield from (_blocks(sub) if row > CHUNK else [sub.reshape(-1)])
+
+
+def _segment(v: torch.Tensor, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, b) of one segment's bytes, each reduced modulo ``PRIME``."""
     a = torch.zeros((), dtype=torch.int64, device=on)
     b = torch.zeros((), dtype=torch.int64, device=on)
-    for lo in range(0, flat.numel(), CHUNK):
-        x = flat[lo:lo + CHUNK]
-        if x.numel() % 2 or x.data_ptr() % 2:  # the odd last byte, or an odd address
-            x = torch.cat([x, x.new_zeros(x.numel() % 2)])
-        w = x.view(torch.int16).to(torch.float64)
-        c = w.sum().to(torch.int64) % PRIME
-        # sum over the chunk of (lo / 2 + j + 1) * w[j] = (lo / 2 + 1) * c + sum j * w[j]
-        cw = torch.dot(w, _positions(w.numel(), on)).to(torch.int64) % PRIME
-        b = (b + ((lo // 2 + 1) % PRIME) * c + cw) % PRIME
-        a = (a + c) % PRIME
+    pos = 0  # index of the next word in the segment
+    carry = None  # a block's odd last byte, the first of the next word
+    for x in _blocks(v):
+        if carry is not None:
+            x = torch.cat([carry, x])
+        carry = x[-1:].clone() if x.numel() % 2 else None
+        if carry is not None:
+            x = x[:-1]
+        if x.data_ptr() % 2:  # words need an even address
+            x = x.clone()
+        a, b, pos = _fold(x, a, b, pos, on)
+    if carry is not None:  # the segment's odd last byte, padded with a zero byte
+        a, b, pos = _fold(torch.cat([carry, carry.new_zeros(1)]), a, b, pos, on)
     return a, b
+
+
+def _fold(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pos: int, on: torch.device
+          ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Add the words of ``x`` (even length), which start at word ``pos``, to (a, b)."""
+    if not x.numel():
+        return a, b, pos
+    w = x.view(torch.int16).to(torch.float64)
+    c = w.sum().to(torch.int64) % PRIME
+    # sum over the block of (pos + j + 1) * w[j] = (pos + 1) * c + sum j * w[j]
+    cw = torch.dot(w, _positions(w.numel(), on)).to(torch.int64) % PRIME
+    return (a + c) % PRIME, (b + ((pos + 1) % PRIME) * c + cw) % PRIME, pos + w.numel()
 
 
 def _transfers(plan: Plan) -> Iterator[tuple[int, str, str, Transfer]]:

@@ -149,6 +149,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     report = verify(plan, src, dst, topo, parse_bytes(args.budget))
     st = plan.stats
     st["verify_seconds"] = report.seconds
+    if "peak_live_bytes" in report.checked:  # the topology gives a device memory capacity
+        st["peak_live_bytes"] = report.checked["peak_live_bytes"]
     if not report.ok:  # never emit a plan that fails: say why, rule by rule
         print(report, file=sys.stderr)
         raise VerificationError(report)
@@ -190,6 +192,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"  sends   {st['messages']} messages in {st['rounds']} rounds, "
         f"peak staging {_fmt_bytes(st['peak_staging_bytes'])} per device "
         f"(budget {_fmt_bytes(st['budget_bytes'])})",
+        *([f"  memory  peak {_fmt_bytes(st['peak_live_bytes'])} per device while "
+           f"switching (source and destination state plus staging; "
+           f"{_fmt_bytes(int(topo.memory_GB * 1e9))} per device)"]
+          if "peak_live_bytes" in st else []),
         f"  time    {st['predicted_seconds']:.3f} s predicted on {st['topology']} "
         f"(lower bound {st['lower_bound_seconds']:.3f} s, {ratio:.2f}x)",
         f"  planned in {st['plan_seconds']:.2f} s ({st['transfers']} transfers), verified in "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -27,6 +28,37 @@ def test_plan_prints_summary_and_writes_json(tmp_path, capsys) -> None:
     assert doc["summary"]["peak_staging_bytes"] <= doc["summary"]["budget_bytes"]
     again = plan_to_json(plan_from_json(doc), doc["src_spec"], doc["dst_spec"])
     assert again == doc
+
+
+def test_plan_reports_the_peak_memory_a_device_needs_while_switching(tmp_path, capsys) -> None:
+    # Oracle: per device, its source and destination storage as the runtime allocates it,
+    # plus the most it sends and receives between devices in one round.
+    from dynatrain.ir.layout import Layout
+    from dynatrain.ir.loader import load_spec
+    from dynatrain.ir.state import transition_views
+    from dynatrain.planner.serialize import plan_from_json
+    from dynatrain.runtime.storage import storage_layout
+
+    src, dst = "specs/tiny-gpt/tp2-dp2.yaml", "specs/tiny-gpt/pp2-dp2.yaml"
+    out = tmp_path / "plan.json"
+    assert main(["plan", src, dst, "--budget", "1MiB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    plan = plan_from_json(doc)
+    sv, dv = transition_views(Layout(load_spec(src)), Layout(load_spec(dst)))
+
+    def state(view, devices, device) -> int:
+        if device not in devices:
+            return 0
+        return sum(math.prod(shape) * dtype.itemsize
+                   for shape, dtype in storage_layout(view, devices.index(device)).values())
+
+    want = max(state(sv, plan.src_devices, d) + state(dv, plan.dst_devices, d)
+               + max(sum(m.nbytes for m in r.messages if not m.local
+                         and d in (m.src_device, m.dst_device)) for r in plan.rounds)
+               for d in set(plan.src_devices) | set(plan.dst_devices))
+    assert doc["summary"]["peak_live_bytes"] == want
+    assert "  memory  peak " in text and "per device while switching" in text
 
 
 def test_plan_errors_are_one_line_exit_2(tmp_path, capsys) -> None:

@@ -10,12 +10,12 @@ received into, one byte arena the process keeps for the whole switch and grows o
 round needs more. So a round's staging never exceeds what the plan says (its message bytes), is
 usually far below it, and its pages are touched once per switch rather than once per round.
 Sends packed ahead live in two more buffers (by round parity), used only while everything the
-process holds stays within the plan's budget.
+process holds stays within what the plan says it stages in its busiest round.
 
 Local copies (device to itself) run in whichever round ``spread_local`` gives them. In a round
 a process posts every receive, posts its straight sends and the sends packed ahead, then packs
 and posts the rest piece by piece (the network moves a piece while the next is packed), copies
-its local messages, prepares the next round and, where the budget allows, packs that round's
+its local messages, prepares the next round and, where there is room, packs that round's
 staged sends while this round's transfers run, and finally waits for its receives in order,
 unpacking each staged piece as soon as it lands. Packing ahead only reads the source storage,
 which nothing writes during a switch, so it is safe at any time.

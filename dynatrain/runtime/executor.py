@@ -10,11 +10,13 @@ layout ranks and ``plan.src_devices``/``plan.dst_devices`` map them to devices.
 Rounds run in order (``exchange.py``): in a round a device posts its receives, packs and posts
 its sends piece by piece (a large contiguous segment goes on the wire straight from or into
 storage; the rest is packed into one staging arena kept for the whole switch), copies its local
-messages slot to slot, prepares the next round (and packs its staged sends where the budget
-allows) while the transfers run, and unpacks each received piece as it lands. The staging bytes
-are measured from the arena: never more than the plan budgets, usually much less. With ``plan.derived == ("param",)`` each destination rank then
-rebuilds its params from the main params (``derive.py``: a local cast without the distributed
-optimizer, otherwise Megatron's param all-gather, point to point).
+messages slot to slot, prepares the next round (and packs its staged sends where there is
+room) while the transfers run, and unpacks each received piece as it lands. The staging bytes
+are measured from the arena: never more than the plan says the device stages in its busiest
+round (what the verifier's memory check counts), usually much less. With
+``plan.derived == ("param",)`` each destination rank then rebuilds its params from the main
+params (``derive.py``: a local cast without the distributed optimizer, otherwise Megatron's
+param all-gather, point to point).
 
 The destination storage is freshly allocated (or given as ``dst_store``, zero-filled) and the
 source storage is only ever read. After the last round every process votes (an all-gather of
@@ -222,7 +224,9 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     devices = process_devices(plan)
     pg = group if group is not None else dist.group.WORLD
     on = tensor_device(src_store, dst_store, pg)
-    arena = Arena(on, plan.budget_bytes)
+    # Sends are packed ahead only within what the verified plan says this device stages in
+    # its busiest round, so the verifier's memory check (state plus that) holds at run time.
+    arena = Arena(on, planned_peak_staging(plan, device))
     try:
         me = _bind(plan, src_view, dst_view, device, src_store, pg, devices)
         pg.set_timeout(td)  # gloo collectives block their worker thread up to this long
@@ -291,6 +295,14 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         log.info("switch committed: %d rounds in %.3f s (%s)", len(reports),
                  report.total_seconds, plan.dst_name)
     return dst, report.as_dict()
+
+
+def planned_peak_staging(plan: Plan, device: str) -> int:
+    """The most bytes ``device`` sends and receives between devices in one round of ``plan``:
+    what the plan (and its verification) says the device stages at most."""
+    return max((sum(m.nbytes for m in rnd.messages
+                    if not m.local and device in (m.src_device, m.dst_device))
+                for rnd in plan.rounds), default=0)
 
 
 def tensor_device(src_store: Mapping[tuple, torch.Tensor] | None,

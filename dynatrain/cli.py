@@ -353,6 +353,11 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
     print("\n".join(lines))
     for e in errors[:5]:
         print(f"  {e.splitlines()[0]}", file=sys.stderr)
+    if args.json:
+        doc = {"src": plan.src_name, "dst": plan.dst_name, "seed": args.seed,
+               "bit_exact": not errors, "seconds": seconds, "plan": st,
+               "processes": results}
+        _write(args.json, json.dumps(doc, indent=1) + "\n", "--json")
     return 1 if errors else 0
 
 
@@ -421,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--timeout", type=float, default=60.0,
                     help="seconds any one wait for peers may take (default 60)")
     rp.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
+    rp.add_argument("--json", metavar="FILE",
+                    help="write every process's switch report (bytes, rounds, seconds per "
+                         "round, bandwidth, staging) and the plan's summary as JSON")
     rp.add_argument("--check-transfers", action="store_true",
                     help="inside the switch, compare a fingerprint of every transfer at its "
                          "destination with its source's before committing (the check a real "

@@ -7,6 +7,7 @@ line and status 2 before anything starts.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dynatrain.cli import main
@@ -37,12 +38,19 @@ def test_tiny_pair_switches_bit_exact_in_several_rounds(capfd) -> None:
     assert "budget 1.0 MiB" in out
 
 
-def test_check_transfers_reports_matching_fingerprints(capfd) -> None:
+def test_check_transfers_and_json_report(tmp_path, capfd) -> None:
+    report = tmp_path / "run.json"
     code, out, err = run_main(["run-plan", str(TINY / "pp2-dp2.yaml"), str(TINY / "tp2-dp2.yaml"),
-                               "--check-transfers", "--quiet"], capfd)
+                               "--check-transfers", "--quiet", "--json", str(report)], capfd)
     assert code == 0, (out, err)
     assert "  bit-exact: yes (" in out
     assert "  transfers every fingerprint matched at both ends inside the switch (" in out
+    doc = json.loads(report.read_text(encoding="utf-8"))
+    assert doc["bit_exact"] and len(doc["processes"]) == 4
+    reports = [p["report"] for p in doc["processes"]]
+    assert sum(r["bytes_sent"] for r in reports) == doc["plan"]["bytes_moved"]
+    assert all(len(r["round_seconds"]) == doc["plan"]["rounds"] for r in reports)
+    assert all(r["check_seconds"] > 0 for r in reports)
 
 
 def test_a_world_too_large_for_local_processes_is_refused(capsys) -> None:

@@ -291,10 +291,14 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
                           plan.budget_bytes, peak_staging, derive[0], derive[1], derive[2],
                           derive_seconds, check_seconds, time.perf_counter() - t,
                           time.perf_counter() - t_start)
+    out = report.as_dict()
     if me.index == 0:
-        log.info("switch committed: %d rounds in %.3f s (%s)", len(reports),
-                 report.total_seconds, plan.dst_name)
-    return dst, report.as_dict()
+        log.info("switch committed: %d rounds in %.3f s (%s); process 0 sent %s and received "
+                 "%s at %.2f GB/s, staged at most %s (plan: %s)", len(reports),
+                 report.total_seconds, plan.dst_name, _mib(out["bytes_sent"]),
+                 _mib(out["bytes_received"]), out["achieved_GBps"], _mib(peak_staging),
+                 _mib(out["planned_peak_staging_bytes"]))
+    return dst, out
 
 
 def planned_peak_staging(plan: Plan, device: str) -> int:

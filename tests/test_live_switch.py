@@ -29,6 +29,7 @@ from dynatrain.ir.state import transition_views
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.runtime.executor import process_devices, switch
 from dynatrain.runtime.megatron import extract_state, install_state
+from dynatrain.runtime.megatron.bridge import bind_state, install_step
 from dynatrain.verify.check import check
 from matrix import MOE, case, to_harness_cfg, to_spec
 from megatron_support import live
@@ -43,8 +44,12 @@ SWITCHES = {
 }
 
 
+@pytest.mark.parametrize("into", ["install", "bind"])
 @pytest.mark.parametrize("name", list(SWITCHES))
-def test_switched_job_equals_megatron_checkpoint_reload(name: str) -> None:
+def test_switched_job_equals_megatron_checkpoint_reload(name: str, into: str) -> None:
+    # into="install": switch into the executor's own storage, then install_state into a fresh
+    # B job. into="bind": build the B job first and switch straight into its tensors
+    # (bind_state, then install_step), as LiveSwitcher does.
     cfg_a, cfg_b = SWITCHES[name]
     la, lb = Layout(to_spec(cfg_a)), Layout(to_spec(cfg_b))
     va, vb = transition_views(la, lb)
@@ -66,14 +71,26 @@ def test_switched_job_equals_megatron_checkpoint_reload(name: str) -> None:
             t0 = time.perf_counter()
             src = extract_state(va, rank, job.ddps, job.optimizer)
             t1 = time.perf_counter()
-            dst, report = switch(plan, va, vb, devices[rank], src, timeout=60)
-            t2 = time.perf_counter()
-            ps.destroy_model_parallel()
-            live.init_parallel(cb)
-            t3 = time.perf_counter()
-            switched = live.build(cb, seed=cb["seed"] + 17)
-            t4 = time.perf_counter()
-            install_state(vb, rank, switched.ddps, switched.optimizer, dst)
+            if into == "install":
+                dst, report = switch(plan, va, vb, devices[rank], src, timeout=60)
+                t2 = time.perf_counter()
+                ps.destroy_model_parallel()
+                live.init_parallel(cb)
+                t3 = time.perf_counter()
+                switched = live.build(cb, seed=cb["seed"] + 17)
+                t4 = time.perf_counter()
+                install_state(vb, rank, switched.ddps, switched.optimizer, dst)
+            else:
+                ps.destroy_model_parallel()
+                live.init_parallel(cb)
+                t2 = t3 = time.perf_counter()
+                switched = live.build(cb, seed=cb["seed"] + 17)
+                bound = bind_state(vb, rank, switched.ddps, switched.optimizer)
+                t4 = time.perf_counter()
+                dst, report = switch(plan, va, vb, devices[rank], src, timeout=60,
+                                     dst_store=bound)
+                assert dst is bound
+                install_step(switched.optimizer, dst)
             t5 = time.perf_counter()
             ref = live.build(cb, seed=cb["seed"] + 29)
             live.load_dist_checkpoint(ref, ckpt)

@@ -299,29 +299,68 @@ def install_state(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Mo
         if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
             raise LayoutError(f"rank {rank}: storage {key} is {t.dtype} {list(t.shape)}, the "
                               f"layout says {spec.dtype} {list(spec.shape)}")
-    b = _bind(view, rank, model_chunks, optimizer)
     with torch.no_grad():
-        for opt in b.optimizers:
-            _ensure_moments(opt)
-        pairs = []
-        for key, spec in specs.items():
-            if key == STEP_KEY:
-                continue
-            if key[0] == "buffer":
-                module, attr = b.buffers[(key[2], key[3])]
-                live = getattr(module, attr)
-                if live.dtype != spec.dtype:  # as the router's _maintain_float32_expert_bias
-                    live.data = live.data.to(spec.dtype)
-            dst = _live(b, key)
-            if dst is None or dst.numel() != math.prod(spec.shape) or dst.dtype != spec.dtype:
-                got = None if dst is None else f"{dst.dtype} {list(dst.shape)}"
-                raise LayoutError(f"rank {rank}: cannot install {key} into the job's {got}")
-            pairs.append((dst.view(spec.shape), storage[key]))
-        for dst, src in pairs:
-            dst.copy_(src)
+        bound = _writable(view, rank, model_chunks, optimizer)
+        for key, dst in bound.items():
+            if key != STEP_KEY:
+                dst.copy_(storage[key])
         if STEP_KEY in specs:
-            for opt in b.optimizers:
-                _write_step(opt, int(storage[STEP_KEY]))
+            install_step(optimizer, storage)
 
 
-__all__ = ["STEP_KEY", "SlotSpec", "extract_state", "install_state", "read_step", "storage_spec"]
+def _writable(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
+              optimizer: Any) -> Storage:
+    """Views of the job's own tensors, one per storage key, that writes go through to: Adam's
+    moments are created (zeros) and an expert_bias still in bf16 is made fp32 first. The step
+    is a new int64 scalar (``install_step`` writes it into the optimizer)."""
+    b = _bind(view, rank, model_chunks, optimizer)
+    for opt in b.optimizers:
+        _ensure_moments(opt)
+    out: Storage = {}
+    for key, spec in storage_spec(view, rank).items():
+        if key == STEP_KEY:
+            out[key] = torch.zeros(spec.shape, dtype=spec.dtype)
+            continue
+        if key[0] == "buffer":
+            module, attr = b.buffers[(key[2], key[3])]
+            live = getattr(module, attr)
+            if live.dtype != spec.dtype:  # as the router's _maintain_float32_expert_bias
+                live.data = live.data.to(spec.dtype)
+        dst = _live(b, key)
+        if dst is None or dst.numel() != math.prod(spec.shape) or dst.dtype != spec.dtype:
+            got = None if dst is None else f"{dst.dtype} {list(dst.shape)}"
+            raise LayoutError(f"rank {rank}: cannot install {key} into the job's {got}")
+        out[key] = dst.view(spec.shape)
+    return out
+
+
+def bind_state(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
+               optimizer: Any) -> Storage:
+    """The rank's storage as zero-filled views of a freshly built job's own tensors.
+
+    Switching into it (``executor.switch(..., dst_store=...)``) installs the state in place:
+    no second copy of the state is allocated and nothing is copied afterwards, except the
+    step (``install_step``). Zero-filled as the executor's own destination storage is, so
+    what the switch does not write (new vocab padding rows) ends up as with
+    ``install_state``. The job's values are overwritten at once: bind only a job built for
+    the purpose.
+
+    Raises:
+        LayoutError: the job does not run the layout of ``view``.
+    """
+    with torch.no_grad():
+        store = _writable(view, rank, model_chunks, optimizer)
+        for t in store.values():
+            t.zero_()
+    return store
+
+
+def install_step(optimizer: Any, storage: Mapping[tuple, torch.Tensor]) -> None:
+    """Write the storage's Adam step into every leaf optimizer (a no-op without one)."""
+    if STEP_KEY in storage:
+        for opt in _leaf_optimizers(optimizer):
+            _write_step(opt, int(storage[STEP_KEY]))
+
+
+__all__ = ["STEP_KEY", "SlotSpec", "bind_state", "extract_state", "install_state",
+           "install_step", "read_step", "storage_spec"]

@@ -5,16 +5,19 @@ Every process of the job owns a ``LiveSwitcher`` for its device. ``prepare(dst_s
 the switch and has it verified in a background thread while training goes on (the planner is
 deterministic, so every process computes the same plan on its own; ``switch`` confirms that
 by agreeing on the plan's digest before anything moves). ``switch(job)`` then, at an iteration
-boundary, binds the job's state as IR storage (``extract_state``: views, no copies), runs the
-plan across the processes (``executor.switch``: all or nothing), sets up megatron's parallel
-state for the destination, builds the destination job with the caller's ``build`` (the code
-that built the job in the first place; it also seeds megatron's RNG streams for the new
-coordinates, as at startup: megatron itself does not carry them across a TP or PP change),
-installs the switched storage (``install_state``) and carries the LR scheduler, the iteration
-and the consumed samples over.
+boundary, binds the job's state as IR storage (``extract_state``: views, no copies), sets up
+megatron's parallel state for the destination, builds the destination job with the caller's
+``build`` (the code that built the job in the first place; it also seeds megatron's RNG streams
+for the new coordinates, as at startup: megatron itself does not carry them across a TP or PP
+change), and runs the plan across the processes (``executor.switch``: all or nothing), then
+carries the LR scheduler, the iteration and the consumed samples over.
 
 **Same devices** (both layouts name the same devices, in sorted order): the switch runs in the
-job's own process group; no rendezvous is needed.
+job's own process group; no rendezvous is needed. The destination job is built before the
+exchange, every process agrees that it built, and the plan runs straight into the new job's own
+tensors (``bridge.bind_state``): the state is held twice during the switch (source and
+destination job), not three times, and nothing is copied after the exchange. A build that fails
+on any process keeps every process in the source layout.
 
 **Another world** (devices leave or join, or ranks move to other devices). Megatron keeps its
 parallel state in the default process group, so that group must hold exactly the layout's
@@ -72,7 +75,7 @@ from ...planner.cost import H100, Topology
 from ...planner.pipeline import plan_transition
 from ...planner.serialize import plan_to_json
 from ..executor import SwitchAborted, switch
-from .bridge import extract_state, install_state
+from .bridge import bind_state, extract_state, install_step
 from .job import (Builder, MegatronJob, Prepared, SwitchFailed, SwitchResult, Verifier, carried,
                   carry_into, parallel_kwargs)
 from .rendezvous import Rendezvous
@@ -266,16 +269,44 @@ class LiveSwitcher:
 
     def _switch_in_place(self, job: MegatronJob, prep: Prepared, src: dict,
                          t: list[float]) -> SwitchResult:
+        """Build the destination job first, then switch straight into its tensors.
+
+        The state is never held three times (source job, a separate destination storage, the
+        new job) and nothing is copied after the exchange. Every process must have built its
+        destination before anything moves: a build that fails on any process keeps every
+        process in the source layout (agreed by an all-reduce), so no process commits alone.
+        """
         from megatron.core import parallel_state as ps
 
         src_view, dst_view = transition_views(self.layout, prep.dst)
         scheduler = carried(job)
         t.append(time.perf_counter())
+        new = dst = failure = None
+        try:
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **self.init_kwargs)
+            t.append(time.perf_counter())
+            new = self.build(prep.dst_spec)
+            dst = bind_state(dst_view, self.rank, new.model_chunks, new.optimizer)
+        except Exception as err:  # noqa: BLE001 — agreed below, then raised everywhere
+            failure = err
+        t.append(time.perf_counter())
+        if not self._all_built(failure is None):
+            new = dst = None
+            self._back_to_source()
+            where = "this process" if failure is not None else "another process"
+            why = f": {type(failure).__name__}: {failure}" if failure is not None else ""
+            raise SwitchFailed(f"{self.device}: building the destination failed on {where}"
+                               f"{why}; back in the source layout, nothing moved",
+                               job) from failure
         try:
             dst, report = switch(prep.plan, src_view, dst_view, self.device, src, self.group,
-                                 timeout=self.timeout, check_transfers=self.check_transfers)
+                                 timeout=self.timeout, check_transfers=self.check_transfers,
+                                 dst_store=dst)
         except SwitchAborted as err:
+            new = dst = None  # free the destination job before going back
             if not err.group_destroyed:
+                self._back_to_source()
                 raise SwitchFailed(f"{err}; the job trains on", job) from err
             if self.rendezvous is None or prep.generation is None:
                 raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
@@ -284,27 +315,30 @@ class LiveSwitcher:
             world.roll_back(job, scheduler, err)  # raises SwitchFailed with the rebuilt job
         del src
         t.append(time.perf_counter())
-        try:
-            ps.destroy_model_parallel()
-            ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **self.init_kwargs)
-            t.append(time.perf_counter())
-            new = self.build(prep.dst_spec)
-            t.append(time.perf_counter())
-            install_state(dst_view, self.rank, new.model_chunks, new.optimizer, dst)
-            carry_into(new, scheduler)
-        except Exception as err:  # noqa: BLE001 — the old groups are intact: train on in them
-            ps.destroy_model_parallel()
-            ps.initialize_model_parallel(**parallel_kwargs(self.spec), **self.init_kwargs)
-            raise SwitchFailed(f"{self.device}: building the destination failed "
-                               f"({type(err).__name__}: {err}); back in the source layout",
-                               job) from err
+        install_step(new.optimizer, dst)
+        carry_into(new, scheduler)
         t.append(time.perf_counter())
         self._after(prep, "stayed")
-        names = ("agree", "extract", "exchange", "parallel_state", "build", "install")
+        names = ("agree", "extract", "parallel_state", "build", "exchange", "install")
         seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
         seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
                        downtime=t[-1] - t[0])
         return SwitchResult(new, report, seconds, "stayed", prep.generation)
+
+    def _all_built(self, ok: bool) -> bool:
+        """Whether every process of the job built its destination (an all-reduce MIN)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        if dist.get_backend(self.group) == "nccl":  # NCCL moves device memory only
+            flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(int(flag.item()))
+
+    def _back_to_source(self) -> None:
+        """Megatron's parallel state of the source layout again (every process together)."""
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(**parallel_kwargs(self.spec), **self.init_kwargs)
 
     def _after(self, prep: Prepared, role: str) -> None:
         self._pending = None

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynatrain.runtime import fingerprint as fp
+from dynatrain.runtime.storage import row_blocks
 
 CPU = torch.device("cpu")
 
@@ -67,7 +68,7 @@ def test_blocks_cover_a_strided_view_in_order_and_stay_small(chunk: int, monkeyp
     monkeypatch.setattr(fp, "CHUNK", chunk)
     view = torch.arange(40 * 3 * 700, dtype=torch.int32).view(torch.uint8).view(40, 3, 2800)
     view = view[:, 1:, 5:2705]  # rows longer than the chunk: cut inside rows too
-    blocks = list(fp._blocks(view))
+    blocks = [b.reshape(-1) for b in row_blocks(view, fp.CHUNK)]
     assert all(b.numel() <= chunk for b in blocks)
     assert torch.equal(torch.cat(blocks), view.reshape(-1))
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..planner.plan import Message, Round, Transfer
-from .storage import ByteViews
+from .storage import ByteViews, row_blocks
 
 DIRECT_MIN_BYTES = 256 << 10  # a segment this large is a piece of its own (straight from or
 # into storage where contiguous); below it, packing costs less than another wire operation
@@ -98,25 +98,6 @@ def _segment_views(views: ByteViews, t: Transfer, side: str) -> list[torch.Tenso
     return views(t.kinds, t.dst_slot, t.dst_anchor, t.box)
 
 
-def _chunks(v: torch.Tensor) -> list[torch.Tensor]:
-    """Byte view ``v`` cut along its outermost dims into views of at most ``CHUNK_BYTES``
-    where rows allow; a function of its shape only, so both ends cut a segment alike."""
-    n = v.numel()
-    if n <= CHUNK_BYTES:
-        return [v]
-    d = next((i for i, size in enumerate(v.shape) if size > 1), None)
-    if d is None:
-        return [v]
-    size = v.shape[d]
-    row = n // size
-    step = max(1, CHUNK_BYTES // row)
-    out: list[torch.Tensor] = []
-    for k in range(0, size, step):
-        sub = v.narrow(d, k, min(step, size - k))
-        out.extend(_chunks(sub) if step == 1 and row > CHUNK_BYTES else [sub])
-    return out
-
-
 def _pieces(m: Message, ordinal: int, views: ByteViews, side: str, rank: int, peer: int
             ) -> list[Piece]:
     """Cut message ``m`` into wire pieces; both ends cut it the same way (see the module doc)."""
@@ -138,7 +119,7 @@ def _pieces(m: Message, ordinal: int, views: ByteViews, side: str, rank: int, pe
             raise ValueError(f"transfer {t} is {end} by {dev}, which runs {role} rank {rank}")
         for seg in _segment_views(views, t, side):
             total += seg.numel()
-            for v in _chunks(seg):
+            for v in row_blocks(seg, CHUNK_BYTES):
                 n = v.numel()
                 room = len(out) + 3 <= MAX_PIECES  # a flushed run, this piece, a last run
                 if n >= DIRECT_MIN_BYTES and room:

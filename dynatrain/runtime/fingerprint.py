@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..planner.plan import Plan, Transfer
-from .storage import ByteViews
+from .storage import ByteViews, row_blocks
 
 PRIME = (1 << 31) - 1
 CHUNK = 1 << 20  # bytes per dot product (even): 2**19 + 1 words of |w| <= 2**15 keep every
@@ -54,28 +54,15 @@ def fingerprint(views: list[torch.Tensor], on: torch.device) -> torch.Tensor:
     return torch.stack([s1, s2])
 
 
-def _blocks(v: torch.Tensor) -> Iterator[torch.Tensor]:
-    """``v``'s bytes in row-major order as flat blocks of at most ``CHUNK`` bytes: a strided
-    view is copied one block at a time, never whole (a local segment can be a large share of
-    a parameter, more than the staging budget)."""
-    if v.numel() <= CHUNK:
-        yield v.reshape(-1)
-        return
-    d = next(i for i, size in enumerate(v.shape) if size > 1)
-    row = v.numel() // v.shape[d]
-    step = max(1, CHUNK // row)
-    for lo in range(0, v.shape[d], step):
-        sub = v.narrow(d, lo, min(step, v.shape[d] - lo))
-        yield from (_blocks(sub) if row > CHUNK else [sub.reshape(-1)])
-
-
 def _segment(v: torch.Tensor, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, b) of one segment's bytes, each reduced modulo ``PRIME``."""
     a = torch.zeros((), dtype=torch.int64, device=on)
     b = torch.zeros((), dtype=torch.int64, device=on)
     pos = 0  # index of the next word in the segment
     carry = None  # a block's odd last byte, the first of the next word
-    for x in _blocks(v):
+    # Block by block: a strided view is copied one block at a time, never whole (a local
+    # segment can be a large share of a parameter, more than the staging budget).
+    for x in (b.reshape(-1) for b in row_blocks(v, CHUNK)):
         if carry is not None:
             x = torch.cat([carry, x])
         carry = x[-1:].clone() if x.numel() % 2 else None

@@ -214,6 +214,26 @@ def _geometry(t: torch.Tensor, slot: Slot, anchor: Box, box: Box
     raise LayoutError(f"unknown slot type {type(slot).__name__}")
 
 
+def row_blocks(v: torch.Tensor, limit: int) -> list[torch.Tensor]:
+    """``v`` cut along its outermost dims into views of at most ``limit`` elements where rows
+    allow, in row-major order; a function of the shape only, so two tensors of one shape are
+    cut alike (both ends of a wire piece, both ends of a fingerprint)."""
+    n = v.numel()
+    if n <= limit:
+        return [v]
+    d = next((i for i, size in enumerate(v.shape) if size > 1), None)
+    if d is None:
+        return [v]
+    size = v.shape[d]
+    row = n // size
+    step = max(1, limit // row)
+    out: list[torch.Tensor] = []
+    for k in range(0, size, step):
+        sub = v.narrow(d, k, min(step, size - k))
+        out.extend(row_blocks(sub, limit) if row > limit else [sub])
+    return out
+
+
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a uint8 view (no copy): the last dim grows by the element size.
 

@@ -446,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except DynatrainError as err:
         print(f"dynatrain: error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     except BrokenPipeError:
         return 0
 

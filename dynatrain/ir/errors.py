@@ -1,14 +1,35 @@
 """Exception hierarchy shared by every DynaTrain layer.
 
 Every error a user can trigger carries the offending field and a one-line message that names the
-rule and the value; the CLI prints ``str(err)`` and exits with status 2.
+rule and the value; the CLI prints ``str(err)`` and exits with the error's ``exit_code``.
+
+Exit statuses, the same for every command:
+
+====  ==============================================================================
+0     success
+1     a plan breaks a verification rule, or a switch's destination is not bit-exact
+2     bad input: a spec, plan file, topology, option or checkpoint
+3     state lost: some state has no surviving copy to take it from
+4     switch aborted: a process died, timed out or voted no; the source state is intact
+====  ==============================================================================
 """
 
 from __future__ import annotations
 
+EXIT_OK = 0
+EXIT_VERIFY_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_LOST = 3
+EXIT_ABORTED = 4
+
 
 class DynatrainError(Exception):
-    """Base class of every error DynaTrain raises on purpose."""
+    """Base class of every error DynaTrain raises on purpose.
+
+    ``exit_code``: the CLI's exit status for it (bad input unless a subclass says otherwise).
+    """
+
+    exit_code = EXIT_BAD_INPUT
 
 
 class SpecError(DynatrainError, ValueError):

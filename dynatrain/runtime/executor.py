@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from ..ir.errors import DynatrainError
+from ..ir.errors import EXIT_ABORTED, DynatrainError
 from ..ir.state import StateView
 from ..planner.plan import Plan
 from .derive import derive_params
@@ -79,6 +79,8 @@ class SwitchAborted(DynatrainError):
         peer: the device it was waiting for or that failed, if known.
         group_destroyed: True when the process group was destroyed (retry in a fresh one).
     """
+
+    exit_code = EXIT_ABORTED
 
     def __init__(self, message: str, *, device: str, round_index: int | None = None,
                  peer: str | None = None, group_destroyed: bool = False) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir.errors import DynatrainError
+from ..ir.errors import EXIT_VERIFY_FAILED, DynatrainError
 
 RULES = ("coverage", "source", "expert", "deadlock", "memory")
 RULE_TEXT = {
@@ -75,6 +75,8 @@ class VerifyReport:
 
 class VerificationError(DynatrainError):
     """A plan broke at least one rule; ``report`` holds every violation."""
+
+    exit_code = EXIT_VERIFY_FAILED
 
     def __init__(self, report: VerifyReport) -> None:
         self.report = report

@@ -1,0 +1,65 @@
+"""Byte sizes as people write them: ``2GiB``, ``512 MiB``, ``1.5e9``, or an int.
+
+A bare number means bytes. Sizes below ``MIN_BARE_BYTES`` written without a unit are refused:
+``--budget 2`` is far more likely "2 GiB" than two bytes, and a two-byte budget cannot move a
+single element anyway.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import DynatrainError
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+MIN_BARE_BYTES = 1024  # a unitless size below this is refused as a likely missing unit
+MAX_BYTES = 1 << 60
+
+
+def parse_bytes(size: str | int, field: str = "--budget") -> int:
+    """``'2GiB'``, ``'512MiB'``, ``'1e9'``, ``4096`` -> bytes (int).
+
+    Units: B, K/KiB, M/MiB, G/GiB, T/TiB (powers of 1024) and KB, MB, GB, TB (powers of 1000),
+    any case. A bare number means bytes and must then be at least 1024.
+
+    Raises:
+        DynatrainError: naming ``field``, for anything that is not a positive finite size.
+    """
+    if isinstance(size, bool):
+        raise DynatrainError(f"{field}: expected a size like 2GiB or 512MiB (got {size!r})")
+    if isinstance(size, int):
+        if not 0 < size < MAX_BYTES:
+            raise DynatrainError(f"{field}: must be a positive size below 1 EiB (got {size!r})")
+        return size if size >= MIN_BARE_BYTES else _bare_refusal(field, size)
+    if not isinstance(size, str):
+        raise DynatrainError(f"{field}: expected a size like 2GiB or 512MiB (got {size!r})")
+    t = size.strip().lower().replace(" ", "").replace("_", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise DynatrainError(f"{field}: expected a size like 2GiB or 512MiB "
+                             f"(got {size[:40]!r})") from None
+    if not (math.isfinite(value) and 0 < value < MAX_BYTES) or int(value) < 1:
+        raise DynatrainError(f"{field}: must be a positive size below 1 EiB (got {size[:40]!r})")
+    if not unit and value < MIN_BARE_BYTES:
+        return _bare_refusal(field, size)
+    return int(value)
+
+
+def _bare_refusal(field: str, size: object) -> int:
+    raise DynatrainError(f"{field}: {size} without a unit means {size} bytes; write the unit, "
+                         f"e.g. {size}GiB or {size}MiB (a bare number means bytes and must be "
+                         f"at least {MIN_BARE_BYTES})")
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``; whole bytes below 1 KiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)

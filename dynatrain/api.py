@@ -1,0 +1,197 @@
+"""The Python API: the handful of calls a user needs, the same checks as the CLI.
+
+    >>> import dynatrain as dt
+    >>> src = dt.load_layout("specs/llama3.1-70b/tp8-pp4-dp4.yaml")
+    >>> dst = dt.load_layout("specs/llama3.1-70b/tp8-pp8-dp2.yaml")
+    >>> switch = dt.plan(src, dst, budget="2GiB")        # planned and verified
+    >>> print(dt.summarize(switch))                       # what `dynatrain plan` prints
+    >>> dt.save_plan(switch, "plan.json")                 # `dynatrain verify plan.json` reads it
+    >>> dt.verify_switch(dt.load_plan("plan.json")).ok
+    True
+
+``run_local`` runs a small switch here (one CPU process per device, gloo); ``LiveSwitcher``
+switches a running Megatron job. Both need torch and are imported only when used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ir.errors import DynatrainError
+from .ir.layout import Layout
+from .ir.loader import load_spec, spec_from_dict, spec_to_dict
+from .ir.spec import LayoutSpec
+from .ir.units import parse_bytes
+from .planner.cost import Topology, load_topology
+from .planner.pipeline import plan_transition
+from .planner.plan import Plan
+from .planner.serialize import plan_from_json, plan_to_json
+from .verify.check import verify as _verify
+from .verify.report import VerificationError, VerifyReport
+
+DEFAULT_BUDGET = "2GiB"
+MAX_PLAN_BYTES = 1 << 31  # a plan file larger than this is refused, not read
+
+
+@dataclass(frozen=True)
+class PlannedSwitch:
+    """A plan with everything needed to check, describe, save or run it.
+
+    ``report`` is the verification the plan passed (None for a plan read from a file and not
+    verified yet). ``reserve_bytes``: device memory the job itself needs besides its state,
+    counted by the memory check.
+    """
+
+    plan: Plan
+    src: Layout
+    dst: Layout
+    topology: Topology
+    budget_bytes: int
+    reserve_bytes: int = 0
+    report: VerifyReport | None = field(default=None, compare=False)
+
+    @property
+    def stats(self) -> dict:
+        """The plan's summary numbers (``bytes_moved``, ``rounds``, ``predicted_seconds``...)."""
+        return self.plan.stats
+
+
+def load_layout(spec: str | os.PathLike[str] | dict | LayoutSpec | Layout) -> Layout:
+    """A layout from a spec file path, a spec document (dict) or a parsed ``LayoutSpec``."""
+    if isinstance(spec, Layout):
+        return spec
+    if isinstance(spec, LayoutSpec):
+        return Layout(spec)
+    if isinstance(spec, dict):
+        return Layout(spec_from_dict(spec))
+    return Layout(load_spec(spec))
+
+
+def _topology(topology: str | Topology | None) -> Topology | None:
+    return topology if topology is None or isinstance(topology, Topology) else load_topology(
+        topology)
+
+
+def plan(src: Any, dst: Any, *, budget: str | int = DEFAULT_BUDGET,
+         topology: str | Topology = "h100", place: str = "naive",
+         reserve: str | int = 0) -> PlannedSwitch:
+    """Plan and verify the switch from ``src`` to ``dst`` (layouts, spec paths or documents).
+
+    ``budget``: staging memory per device, in any unit ("2GiB", "512MiB", or bytes as an int).
+    ``reserve``: device memory the job needs besides its state (activations, allocator cache,
+    communicator buffers), counted by the memory check. ``place="auto"`` chooses which device
+    runs each destination rank to move the fewest bytes.
+
+    Raises:
+        VerificationError: the plan breaks a rule (it is never returned).
+        DynatrainError: bad input (names the field).
+    """
+    s, d = load_layout(src), load_layout(dst)
+    budget_bytes = parse_bytes(budget, "budget")
+    reserve_bytes = _reserve(reserve)
+    topo = _topology(topology)
+    p = plan_transition(s, d, budget_bytes, topo, place=place)
+    report = _verify(p, s, d, topo, budget_bytes, reserve_bytes=reserve_bytes)
+    _record(p, report)
+    if not report.ok:
+        raise VerificationError(report)
+    return PlannedSwitch(p, s, d, topo, budget_bytes, reserve_bytes, report)
+
+
+def verify_switch(switch: PlannedSwitch, *, topology: str | Topology | None = None,
+           budget: str | int | None = None, reserve: str | int | None = None) -> VerifyReport:
+    """Verify a plan with the checks ``dynatrain plan`` and ``dynatrain verify`` run: the five
+    rules, the staging budget and device memory (state plus staging plus the reserve).
+
+    ``topology``/``budget``/``reserve`` override the switch's own (a budget above the plan's
+    declared one is not a way to pass). Returns the report; it does not raise on violations.
+    """
+    topo = switch.topology if topology is None else _topology(topology)
+    budget_bytes = switch.budget_bytes if budget is None else parse_bytes(budget, "budget")
+    reserve_bytes = switch.reserve_bytes if reserve is None else _reserve(reserve)
+    report = _verify(switch.plan, switch.src, switch.dst, topo, budget_bytes,
+                     reserve_bytes=reserve_bytes)
+    _record(switch.plan, report)
+    return report
+
+
+def summarize(switch: PlannedSwitch) -> str:
+    """The human summary ``dynatrain plan`` prints (moved bytes, rounds, memory, time)."""
+    from .report.summary import summary_lines
+
+    return "\n".join(summary_lines(switch))
+
+
+def save_plan(switch: PlannedSwitch, path: str | os.PathLike[str]) -> None:
+    """Write the plan as ``dynatrain.plan/3`` JSON with both specs embedded (self-contained)."""
+    doc = plan_to_json(switch.plan, spec_to_dict(switch.src.spec),
+                       spec_to_dict(switch.dst.spec, switch.plan.dst_devices))
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(doc, f, separators=(",", ":"))
+    except OSError as err:
+        raise DynatrainError(f"{os.fspath(path)}: cannot write ({err.strerror or err})") from None
+
+
+def load_plan(path: str | os.PathLike[str], *, src: Any = None, dst: Any = None,
+              topology: str | Topology = "h100", budget: str | int | None = None,
+              reserve: str | int = 0) -> PlannedSwitch:
+    """Read a plan file back, with the specs it embeds (or ``src``/``dst`` given here).
+
+    The result is not verified: call ``verify_switch`` on it. Raises ``DynatrainError`` (one line)
+    on a file that is missing, too large, not JSON or not a well-formed plan.
+    """
+    name = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PLAN_BYTES + 1)
+    except OSError as err:
+        raise DynatrainError(f"{name}: cannot read ({err.strerror or err})") from None
+    if len(data) > MAX_PLAN_BYTES:
+        raise DynatrainError(f"{name}: a plan file must be at most {MAX_PLAN_BYTES} bytes")
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as err:
+        raise DynatrainError(f"{name}: not JSON ({str(err).splitlines()[0][:80]})") from None
+    p = plan_from_json(doc)
+    layouts = []
+    for side, given in (("src", src), ("dst", dst)):
+        if given is not None:
+            layouts.append(load_layout(given))
+        elif isinstance(doc.get(f"{side}_spec"), dict):
+            layouts.append(Layout(spec_from_dict(doc[f"{side}_spec"], f"{name}: {side}_spec")))
+        else:
+            raise DynatrainError(f"{name}: no {side}_spec in the plan; pass --{side} SPEC")
+    budget_bytes = p.budget_bytes if budget is None else parse_bytes(budget, "budget")
+    return PlannedSwitch(p, layouts[0], layouts[1], _topology(topology), budget_bytes,
+                         _reserve(reserve))
+
+
+def run_local(switch: PlannedSwitch, *, seed: int = 0, timeout: float = 60.0,
+              progress: bool = False, check_transfers: bool = False) -> list[dict]:
+    """Run the switch on this machine, one CPU process per device (gloo), from random state,
+    and compare every destination tensor bit for bit. Each process's result, device order.
+    Needs torch; meant for small specs (e.g. ``specs/tiny-gpt``)."""
+    from .ir.state import transition_views
+    from .runtime.local import run_local as _run
+
+    sv, dv = transition_views(switch.src, switch.dst)
+    return _run(switch.plan, sv, dv, seed=seed, timeout=timeout, progress=progress,
+                check_transfers=check_transfers)
+
+
+def _reserve(reserve: str | int) -> int:
+    if reserve in (0, "0"):
+        return 0
+    return parse_bytes(reserve, "reserve")
+
+
+def _record(p: Plan, report: VerifyReport) -> None:
+    """Put what verification measured into the plan's stats, as the CLI's JSON has it."""
+    p.stats["verify_seconds"] = report.seconds
+    for key in ("peak_live_bytes", "reserve_bytes", "capacity_bytes", "headroom_bytes"):
+        if key in report.checked:
+            p.stats[key] = report.checked[key]

@@ -79,7 +79,7 @@ CASES = [
     ("invalid-spec.yaml", "parallel.tp: must divide num_attention_heads=32 (got 3)"),
     ("unknown-field.yaml", "tp: unknown field"),
     ("wrong-type.yaml", "world.nodes: Input should be a valid integer"),
-    ("python-tag.yaml", "is not valid YAML"),
+    ("python-tag.yaml", "unsafe YAML tag !!python/object/apply:os.system refused"),
     ("merge-bomb.yaml", "merge keys"),
     ("a\nb.yaml", "'a\\nb.yaml': is not valid YAML"),
 ]
@@ -116,7 +116,8 @@ def test_unwritable_json_in_process(tmp_path, capsys):
     assert_one_error_line(*run_main(["layout", str(VALID), "--json", str(target)], capsys))
 
 
-@pytest.mark.parametrize("argv", [[], ["layout"], ["nonsense"], ["layout", str(VALID), "--bad"]])
+# (No arguments at all prints the usage with every command: tests/test_cli_plan.py.)
+@pytest.mark.parametrize("argv", [["layout"], ["nonsense"], ["layout", str(VALID), "--bad"]])
 def test_bad_arguments_in_process(capsys, argv):
     assert_one_error_line(*run_main(argv, capsys))
 
@@ -149,7 +150,7 @@ def test_shipped_specs_in_process(capsys, name):
     ("a-directory.yaml", "cannot read the spec file"),
     ("not-yaml.yaml", "is not valid YAML"),
     ("invalid-spec.yaml", "parallel.tp: must divide num_attention_heads=32 (got 3)"),
-    ("python-tag.yaml", "is not valid YAML"),
+    ("python-tag.yaml", "unsafe YAML tag !!python/object/apply:os.system refused"),
 ])
 def test_bad_spec_subprocess(files, name, fragment):
     assert_one_error_line(*run_process(["layout", str(files / name)]), fragment)
@@ -170,3 +171,27 @@ def test_ranks_without_json_is_refused(capsys):
     assert main(["layout", "specs/llama3.1-8b/tp2-dp4.yaml", "--ranks", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dynatrain: error: --ranks: only applies with --json"]
+
+
+# ---- YAML tags: refused as such, not called "not valid YAML" ----------------------------------
+
+@pytest.mark.parametrize("text,line", [
+    ("!!python/object/apply:os.system ['echo hi']\n",
+     "python-tag.yaml: unsafe YAML tag !!python/object/apply:os.system refused at line 1 "
+     "(specs are plain data)"),
+    ("model: llama3.1-8b\nparallel: {tp: !!python/object:builtins.int {}}\n"
+     "world: {nodes: 1, gpus_per_node: 8}\n",
+     "python-tag.yaml: unsafe YAML tag !!python/object:builtins.int refused at line 2 "
+     "(specs are plain data)"),
+    ("%TAG !p! tag:yaml.org,2002:python/\n--- !p!name:os.system\n",
+     "python-tag.yaml: unsafe YAML tag !!python/name:os.system refused at line 2 "
+     "(specs are plain data)"),
+    ("model: !custom llama3.1-8b\nworld: {nodes: 1, gpus_per_node: 8}\n",
+     "python-tag.yaml: unknown YAML tag !custom refused at line 1 (specs are plain data)"),
+])
+def test_yaml_tags_are_refused_by_name(tmp_path, capsys, text, line):
+    path = tmp_path / "python-tag.yaml"
+    path.write_text(text, encoding="utf-8")
+    got = assert_one_error_line(*run_main(["layout", str(path)], capsys))
+    assert got == "dynatrain: error: " + line
+    assert "not valid YAML" not in got

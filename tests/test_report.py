@@ -20,8 +20,12 @@ from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import spec_from_dict
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Message, Plan, Round, Transfer
-from dynatrain.report.dot import human_bytes, plan_to_dot, write_dot
-from dynatrain.report.heatmap import DPI, FIGSIZE_IN, device_order, traffic_matrix, write_heatmap
+from dynatrain.ir.units import format_bytes
+from dynatrain.report.dot import (LEGEND, MessageCounts, check_dot_path, check_dot_size,
+                                  count_label, human_bytes, message_counts, plan_to_dot,
+                                  write_dot)
+from dynatrain.report.heatmap import (DPI, FIGSIZE_IN, NO_TRAFFIC, byte_ticks, device_order,
+                                      heatmap_figure, traffic_matrix, write_heatmap)
 
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
              vocab_size=200, make_vocab_size_divisible_by=16, max_position_embeddings=64)
@@ -124,6 +128,7 @@ def test_heatmap_many_devices_and_mathtext_in_names(tmp_path: Path) -> None:
     out = tmp_path / "big.PNG"
     write_heatmap(plan, out)
     _check_png(out)
+    assert heatmap_figure(plan).axes[1].get_ylabel() == "bytes sent per 2x2 devices (log scale)"
 
 
 def test_heatmap_empty_plan(tmp_path: Path) -> None:
@@ -181,6 +186,8 @@ class _Dot:
     def __init__(self, text: str) -> None:
         self.toks, self.i = _tokens(text), 0
         self.clusters: list[str] = []
+        self.graph: dict[str, str] = {}  # the top-level graph [...] attributes
+        self.cluster_labels: dict[str, str] = {}
         self.nodes: dict[str, dict[str, str]] = {}
         self.edges: list[tuple[str, str, dict[str, str], str | None]] = []
         assert self._take() == "digraph"
@@ -222,10 +229,14 @@ class _Dot:
                 continue
             head = self._id()
             if head in ("graph", "node", "edge"):
-                self._attrs()
+                attrs = self._attrs()
+                if head == "graph" and cluster is None:
+                    self.graph = attrs
             elif self.toks[self.i] == "=":
                 self._take()
-                self._id()
+                value = self._id()
+                if head == "label" and cluster is not None:
+                    self.cluster_labels[cluster] = value
             elif self.toks[self.i] == "->":
                 self._take()
                 tail = self._id()
@@ -270,12 +281,79 @@ def test_dot_quotes_hostile_device_names() -> None:
 
 
 def test_dot_refuses_big_plans(real_plan: Plan) -> None:
-    total = sum(1 for _ in real_plan.messages())
+    counts = message_counts(real_plan)
+    total = counts.total
     plan_to_dot(real_plan, max_messages=total)  # the limit itself is fine
-    with pytest.raises(DynatrainError,
-                       match=rf"^plan has {total} messages; --dot is for plans with at most "
-                             rf"{total - 1}$"):
+    check_dot_size(real_plan, max_messages=total)
+    want = (rf"^--dot: the plan has {total} messages \({counts.between_devices} messages between "
+            rf"devices \+ {counts.local_copies} local copies\); --dot draws plans of at most "
+            rf"{total - 1} messages$")
+    with pytest.raises(DynatrainError, match=want):
         plan_to_dot(real_plan, max_messages=total - 1)
+    with pytest.raises(DynatrainError, match=want):
+        check_dot_size(real_plan, max_messages=total - 1)
+
+
+def test_check_dot_size_default_limit_counts_local_copies() -> None:
+    # 499 messages between devices + 2 local copies: 501 edges, one over the default limit.
+    a, b = "node0:gpu0", "node1:gpu0"
+    msgs = tuple(_msg(a, b, 1) for _ in range(499)) + (_msg(a, a, 1), _msg(b, b, 1))
+    plan = _hand_plan(src_devices=(a, b), dst_devices=(a, b), rounds=(Round(msgs),))
+    with pytest.raises(DynatrainError) as info:
+        check_dot_size(plan)
+    assert str(info.value) == ("--dot: the plan has 501 messages (499 messages between devices "
+                               "+ 2 local copies); --dot draws plans of at most 500 messages")
+    check_dot_size(_hand_plan(src_devices=(a, b), dst_devices=(a, b), rounds=(Round(msgs[1:]),)))
+
+
+def test_write_dot_refuses_big_plan_without_writing(real_plan: Plan, tmp_path: Path) -> None:
+    out = tmp_path / "plan.dot"
+    with pytest.raises(DynatrainError, match="--dot draws plans of at most 3 messages"):
+        write_dot(real_plan, out, max_messages=3)
+    assert not out.exists()
+
+
+def test_check_dot_path(tmp_path: Path) -> None:
+    assert check_dot_path(tmp_path / "plan.GV") == tmp_path / "plan.GV"
+    with pytest.raises(DynatrainError, match=r"^--dot: the output must end in \.dot or \.gv"):
+        check_dot_path(tmp_path / "plan.png")
+    with pytest.raises(DynatrainError, match=r"^--dot: cannot write .*\(no such directory\)$"):
+        check_dot_path(tmp_path / "missing-dir" / "plan.dot")
+    (tmp_path / "dir.dot").mkdir()
+    with pytest.raises(DynatrainError, match=r"\(it is a directory\)$"):
+        check_dot_path(tmp_path / "dir.dot")
+
+
+def test_dot_label_counts_messages_and_local_copies_apart(real_plan: Plan) -> None:
+    g = _Dot(plan_to_dot(real_plan))
+    counts = message_counts(real_plan)
+    # The summary's "N messages" (plan.stats) is the between-devices count; local copies apart.
+    assert counts.between_devices == real_plan.stats["messages"]
+    assert counts.local_copies > 0  # the fixture has local copies
+    lines = g.graph["label"].split("\n")
+    moved, local = real_plan.stats["bytes_moved"], real_plan.stats["bytes_local"]
+    assert lines[1] == (f"{counts.between_devices} messages between devices + "
+                        f"{counts.local_copies} local copies ({format_bytes(moved)} moved "
+                        f"between devices, {format_bytes(local)} copied locally)")
+    assert lines[2] == LEGEND
+    # The drawing agrees with the label: dashed self-loops are the local copies.
+    msg_edges = [e for e in g.edges if "transfer" in e[2].get("label", "")]
+    dashed = [e for e in msg_edges if e[2].get("style") == "dashed"]
+    assert len(dashed) == counts.local_copies
+    assert all(a == b and e["label"].endswith("(local copy)") for a, b, e, _ in dashed)
+    assert len(msg_edges) - len(dashed) == counts.between_devices
+    for i, rnd in enumerate(real_plan.rounds):
+        c = MessageCounts.of(rnd.messages)
+        assert g.cluster_labels[f"cluster_r{i}"].startswith(f"round {i}: {c},")
+
+
+@pytest.mark.parametrize("remote,local,text", [
+    (10, 4, "10 messages between devices + 4 local copies"),
+    (1, 1, "1 message between devices + 1 local copy"),
+    (0, 0, "0 messages between devices + 0 local copies"),
+])
+def test_count_label(remote: int, local: int, text: str) -> None:
+    assert count_label(remote, local) == text == str(MessageCounts(remote, local))
 
 
 def test_write_dot(real_plan: Plan, tmp_path: Path) -> None:
@@ -293,3 +371,48 @@ def test_write_dot(real_plan: Plan, tmp_path: Path) -> None:
                                     (2**52, "4096.0 TiB")])
 def test_human_bytes(n: int, text: str) -> None:
     assert human_bytes(n) == text
+
+
+# ---- heatmap colour bar and legend ------------------------------------------------------------
+
+@pytest.mark.parametrize("lo,hi,want", [
+    (1000, 3 << 30, ["1.0 KiB", "32.0 KiB", "1.0 MiB", "32.0 MiB", "1.0 GiB"]),
+    (1024, 4096, ["1.0 KiB", "2.0 KiB", "4.0 KiB"]),
+    (100, 120, ["100 B", "120 B"]),  # no power of two inside: the two ends
+    (0.5, 1, ["1 B"]),  # never a tick below one byte
+    (1, 1 << 50, ["1 B", "1.0 KiB", "1.0 MiB", "1.0 GiB", "1.0 TiB", "1024.0 TiB"]),
+])
+def test_byte_ticks(lo: float, hi: float, want: list[str]) -> None:
+    ticks = byte_ticks(lo, hi)
+    assert [format_bytes(t) for t in ticks] == want
+    assert all(max(lo, 1) <= t <= hi for t in ticks) and ticks == sorted(ticks)
+
+
+def _figure_texts(fig) -> list[str]:
+    from matplotlib.text import Text
+
+    return [t.get_text() for t in fig.findobj(Text)]
+
+
+def test_heatmap_colour_bar_in_binary_units_and_no_traffic_legend(real_plan: Plan) -> None:
+    fig = heatmap_figure(real_plan)
+    ax, bar = fig.axes
+    fig.canvas.draw()  # tick labels are filled in when drawn
+    labels = [t.get_text() for t in bar.get_yticklabels()]
+    _, m = traffic_matrix(real_plan)
+    lo, hi = int(m[m > 0].min()), int(m.max())
+    assert labels and labels == [format_bytes(t) for t in byte_ticks(lo, hi)]
+    assert all(re.fullmatch(r"\d+(\.\d)? (B|KiB|MiB|GiB|TiB)", t) for t in labels), labels
+    assert bar.get_ylabel() == "bytes sent (log scale)"
+    assert NO_TRAFFIC == "white: no traffic" and NO_TRAFFIC in _figure_texts(fig)
+    [legend] = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [NO_TRAFFIC]
+
+
+def test_heatmap_empty_plan_says_no_traffic() -> None:
+    fig = heatmap_figure(_hand_plan(src_devices=("node0:gpu0",), dst_devices=("node0:gpu0",)))
+    fig.canvas.draw()
+    _, bar = fig.axes
+    assert bar.get_ylabel() == "no traffic in this plan"
+    assert [t.get_text() for t in bar.get_yticklabels()] == []
+    assert NO_TRAFFIC in _figure_texts(fig)

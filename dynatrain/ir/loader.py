@@ -1,7 +1,8 @@
 """Read a layout spec from YAML text or a file into a validated ``LayoutSpec``.
 
-Only PyYAML's ``SafeLoader`` is used, the loader behind ``yaml.safe_load`` (YAML tags that
-construct objects are refused), and documents that would take far longer to build than to read
+Only PyYAML's ``SafeLoader`` is used, the loader behind ``yaml.safe_load``: YAML tags that
+construct objects (``!!python/object/apply:...``) are refused, and named as such, since specs
+are plain data. Documents that would take far longer to build than to read
 (merge-key bombs, huge numbers) are refused before they are built. Every failure, whatever the
 input, surfaces as a single ``SpecError`` with a one-line message.
 """
@@ -25,7 +26,8 @@ from .spec import LayoutSpec
 MAX_SPEC_BYTES = 1 << 20
 MAX_MAPPING_ENTRIES = 1 << 16  # after merge keys; a real spec has a few dozen
 MAX_NUMBER_CHARS = 1000  # an int past 2**40 is out of range anyway; 1000 still shows 2**200
-_MERGE_TAG = "tag:yaml.org,2002:merge"
+_YAML_TAG_PREFIX = "tag:yaml.org,2002:"
+_MERGE_TAG = _YAML_TAG_PREFIX + "merge"
 _INT_TAG = "tag:yaml.org,2002:int"
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
@@ -99,9 +101,49 @@ def _safe_load(text: str, origin: str) -> Any:
         if node is None:  # an empty document
             return None
         _refuse_bombs(node, origin)
-        return loader.construct_document(node)
+        try:
+            return loader.construct_document(node)
+        except yaml.constructor.ConstructorError:
+            # Most often a tag the SafeLoader has no constructor for: name it, since the
+            # document is valid YAML that we refuse, not text we failed to read.
+            refused = _unknown_tag(node)
+            if refused is None:
+                raise
+            raise SpecError(origin, _tag_refusal(refused)) from None
     finally:
         loader.dispose()
+
+
+def _unknown_tag(root: yaml.Node) -> yaml.Node | None:
+    """The first node (document order) whose tag ``yaml.safe_load`` cannot construct."""
+    known = yaml.SafeLoader.yaml_constructors
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.tag not in known:
+            return node
+        if isinstance(node, yaml.MappingNode):
+            # A ``<<`` key is a merge, not a value: the loader never constructs it.
+            pairs = [(v,) if k.tag == _MERGE_TAG else (k, v) for k, v in node.value]
+            todo.extend(reversed([n for pair in pairs for n in pair]))
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend(reversed(node.value))
+    return None
+
+
+def _tag_refusal(node: yaml.Node) -> str:
+    """``unsafe YAML tag !!python/object/apply:os.system refused at line 1 (...)``."""
+    tag = node.tag
+    if tag.startswith(_YAML_TAG_PREFIX):  # the form people write: !!python/..., !!merge
+        tag = "!!" + tag[len(_YAML_TAG_PREFIX):]
+    # %-escapes in tags decode to any character: keep the line printable and short.
+    shown = tag if tag.isprintable() and len(tag) <= 80 else _BRIEF.repr(tag)
+    what = "unsafe" if tag.startswith("!!python/") else "unknown"
+    return (f"{what} YAML tag {shown} refused at line {node.start_mark.line + 1} (specs are "
+            "plain data)")
 
 
 def _refuse_bombs(root: yaml.Node, origin: str) -> None:

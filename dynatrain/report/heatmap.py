@@ -3,8 +3,10 @@
 Rows are source devices and columns destination devices, over the union of both sides in
 ``device_order``: by node, then by GPU, comparing the numbers in names as numbers (``node9``
 before ``node10``). Local copies (a device to itself) are on the diagonal, so the matrix sums
-to ``bytes_moved + bytes_local`` and its off-diagonal part to ``bytes_moved``. matplotlib is
-imported only when a heatmap is drawn, so planning never pays for it.
+to ``bytes_moved + bytes_local`` and its off-diagonal part to ``bytes_moved``. The colour bar is
+logarithmic with ticks at powers of two labelled in binary units (``1.0 MiB``, ``1.0 GiB``), and
+a legend says that white cells carry no traffic. matplotlib is imported only when a heatmap is
+drawn, so planning never pays for it.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ from pathlib import Path
 import numpy as np
 
 from ..ir.errors import DynatrainError
+from ..ir.units import format_bytes
 from ..planner.plan import Plan
-from .dot import human_bytes
 
 # Above this many devices a side, cells are summed in square blocks so each block gets at least
 # a pixel and no sparse traffic is lost to image downsampling.
 MAX_CELLS = 512
 FIGSIZE_IN = (9, 8)  # width, height
 DPI = 120
+MAX_COLOR_TICKS = 8
+NO_TRAFFIC = "white: no traffic"
 
 
 def _natural(text: str) -> list[str | int]:
@@ -74,6 +78,10 @@ def _plain(text: str) -> str:
     return text.replace("$", r"\$")
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _node_spans(devices: list[str]) -> list[tuple[str, int, int]]:
     """(node, first index, end index) of each run of devices on the same node."""
     spans: list[tuple[str, int, int]] = []
@@ -99,35 +107,53 @@ def _ticks(devices: list[str]) -> tuple[list[float], list[str]]:
     return [(a + b) / 2 for _, a, b in shown], [n for n, _, _ in shown]
 
 
-def write_heatmap(plan: Plan, path: str | Path) -> None:
-    """Draw the traffic matrix as a log-coloured PNG heatmap with node boundaries.
+def byte_ticks(lo: float, hi: float, max_ticks: int = MAX_COLOR_TICKS) -> list[float]:
+    """Colour-bar ticks for a log scale from ``lo`` to ``hi`` bytes: powers of two, labelled
+    exactly by ``format_bytes``.
 
-    Zero cells are left white. Lines mark node boundaries (every k-th node when there are more
-    than 32 nodes, matching the labelled ticks). For more than ``MAX_CELLS`` devices, square
-    blocks of devices are summed into one cell (the colour bar says how many); axes stay in
-    device coordinates.
-
-    Args:
-        plan: the plan to draw.
-        path: output file; must end in ``.png``.
-
-    Raises:
-        DynatrainError: the suffix is not ``.png`` or the file cannot be written.
+    Every k-th power of two in the range, k the smallest step that keeps at most ``max_ticks``
+    ticks, aligned so that 1 KiB, 1 MiB and 1 GiB are among them when k divides 10. A range with
+    fewer than two powers of two gets its two ends instead.
 
     Example:
-        >>> write_heatmap(plan, "/tmp/traffic.png")  # doctest: +SKIP
+        >>> [format_bytes(t) for t in byte_ticks(1000, 3 << 30)]
+        ['1.0 KiB', '32.0 KiB', '1.0 MiB', '32.0 MiB', '1.0 GiB']
     """
+    lo = max(lo, 1.0)  # LogNorm may start below one byte (a one-valued matrix); ticks do not
+    first, last = math.ceil(math.log2(lo)), math.floor(math.log2(hi))
+    if last - first < 1:
+        return sorted({float(lo), float(hi)})
+    step = next(k for k in (1, 2, 5, 10, 20, 30, 40) if (last - first) // k + 1 <= max_ticks)
+    start = first + (-first) % step
+    return [float(2**e) for e in range(start, last + 1, step)]
+
+
+def check_heatmap_path(path: str | Path) -> Path:
+    """The output path, refused in one line unless it ends in ``.png`` in a directory that
+    exists (cheap: the CLI calls it before writing any output)."""
     p = Path(path)
     if p.suffix.lower() != ".png":
         raise DynatrainError(f"--heatmap: the output must end in .png (got {str(p)!r})")
-    # Fail before the (slow) drawing when the path clearly cannot be written.
     if p.is_dir() or not p.parent.is_dir():
         why = "it is a directory" if p.is_dir() else "no such directory"
         raise DynatrainError(f"--heatmap: cannot write {str(p)!r} ({why})")
+    return p
 
+
+def heatmap_figure(plan: Plan):
+    """The traffic matrix as a matplotlib ``Figure`` (what ``write_heatmap`` saves).
+
+    Cells are coloured on a log scale; zero cells are left white and the legend under the
+    matrix says so. The colour bar's ticks are powers of two in binary units. Lines mark node
+    boundaries (every k-th node when there are more than 32 nodes, matching the labelled
+    ticks). For more than ``MAX_CELLS`` devices, square blocks of devices are summed into one
+    cell (the colour bar says how many); axes stay in device coordinates.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import LogNorm
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     devices = device_order(plan)
     n = len(devices)
@@ -144,13 +170,23 @@ def write_heatmap(plan: Plan, path: str | Path) -> None:
     shown = np.ma.masked_equal(grid, 0)
     if shown.count():
         lo, hi = float(shown.min()), float(shown.max())
-        norm = LogNorm(vmin=lo if lo < hi else hi / 10, vmax=hi)
+        norm = LogNorm(vmin=lo if lo < hi else hi / 2, vmax=hi)
     else:
-        norm = LogNorm(vmin=1, vmax=10)  # empty plan: an all-white image with a valid scale
+        norm = LogNorm(vmin=1, vmax=2)  # empty plan: an all-white image with a valid scale
     img = ax.imshow(shown, norm=norm, cmap="viridis", interpolation="nearest",
                     extent=(0, n, n, 0), aspect="equal")
-    fig.colorbar(img, ax=ax, label="bytes" + (f" per {block}x{block} devices" if block > 1 else ""),
-                 shrink=0.8)
+    where = f" per {block}x{block} devices" if block > 1 else ""
+    bar = fig.colorbar(img, ax=ax, shrink=0.8,
+                       label=f"bytes sent{where} (log scale)" if shown.count() else
+                       "no traffic in this plan")
+    if shown.count():
+        bar.ax.yaxis.set_major_locator(FixedLocator(byte_ticks(norm.vmin, norm.vmax)))
+        bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
+    else:
+        bar.ax.yaxis.set_major_locator(NullLocator())
+    bar.ax.yaxis.set_minor_locator(NullLocator())  # unlabelled decade ticks only add noise
+    fig.legend(handles=[Patch(facecolor="white", edgecolor="0.4", label=NO_TRAFFIC)],
+               loc="outside lower center", fontsize=8, frameon=False)
 
     spans = _node_spans(devices)
     bounds = [a for _, a, _ in spans[:: _node_step(spans)][1:]]
@@ -165,8 +201,28 @@ def write_heatmap(plan: Plan, path: str | Path) -> None:
     ax.set_xlabel("destination device")
     ax.set_ylabel("source device")
     ax.set_title(f"{_plain(plan.src_name)} -> {_plain(plan.dst_name)}\n"
-                 f"{human_bytes(moved)} moved between devices, {human_bytes(local)} local "
-                 f"(diagonal), {len(plan.rounds)} rounds, {n} devices", fontsize=10)
+                 f"{format_bytes(moved)} moved between devices, {format_bytes(local)} local "
+                 f"(diagonal), {_plural(len(plan.rounds), 'round')}, {_plural(n, 'device')}",
+                 fontsize=10)
+    return fig
+
+
+def write_heatmap(plan: Plan, path: str | Path) -> None:
+    """Draw ``heatmap_figure(plan)`` to a PNG file.
+
+    Args:
+        plan: the plan to draw.
+        path: output file; must end in ``.png``.
+
+    Raises:
+        DynatrainError: the suffix is not ``.png`` or the file cannot be written.
+
+    Example:
+        >>> write_heatmap(plan, "/tmp/traffic.png")  # doctest: +SKIP
+    """
+    # Fail before the (slow) drawing when the path clearly cannot be written.
+    p = check_heatmap_path(path)
+    fig = heatmap_figure(plan)
     try:
         fig.savefig(p, format="png")
     except OSError as err:

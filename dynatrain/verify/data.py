@@ -79,7 +79,10 @@ def check_data(plan: Plan, src: StateView, dst: StateView,
     """Check every transfer's source and the tiling of every destination region.
 
     Returns the number of transfers checked and, per round, the bytes each device stages
-    (remote messages, sent plus received), counted from the boxes and dtypes while here. The loop runs once per transfer of plans with
+    (remote messages, sent plus received), counted from the boxes and dtypes while here.
+    Transfers are the plan's records, local copies included: what the plan file and ``--text``
+    list, after the planner cut the parts it picked sources for to fit messages (a stacked
+    layer/expert family is one transfer). The loop runs once per transfer of plans with
     hundreds of thousands of them, so the common case is inlined and the rest memoized:
     element sizes per (key, kinds), source lookups per (rank, region).
     """

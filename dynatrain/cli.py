@@ -3,7 +3,9 @@
 ``run-plan`` runs a switch on this machine: one CPU process per device, random state, the
 destination checked bit for bit.
 
-Bad input prints one line naming the field and the rule, and exits with status 2.
+Bad input prints one line naming the field and the rule, and exits with status 2. Exit
+statuses (``ir/errors.py``): 0 success, 1 a plan breaks a rule or a switch is not bit-exact,
+2 bad input, 3 state lost, 4 switch aborted (source state intact).
 """
 
 from __future__ import annotations
@@ -15,26 +17,19 @@ import sys
 import time
 from typing import Sequence
 
-from .ir.errors import DynatrainError
+from .ir.errors import EXIT_BAD_INPUT, DynatrainError
 from .ir.facts import rank_facts
 from .ir.layout import Layout
-from .ir.loader import load_spec, spec_from_dict, spec_to_dict
-from .ir.summary import bytes_by_kind, largest_tensors, logical_parameter_count
-from .verify.check import verify
+from .ir.loader import load_spec
+from .ir.summary import bytes_by_kind, format_count, largest_tensors, logical_parameter_count
+from .ir.units import format_bytes, parse_bytes
+from .report.summary import plural
 from .verify.report import VerificationError
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse's own convention)
         self.exit(2, f"dynatrain: error: {message}\n")
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def _write(path: str, text: str, option: str = "--json") -> None:
@@ -82,14 +77,14 @@ def cmd_layout(args: argparse.Namespace) -> int:
     nodes = sorted({d.split(":")[0] for d in layout.devices})
     lines = [
         f"{layout.spec.name or args.spec}",
-        f"  world   {layout.world} ranks on {len(nodes)} nodes "
+        f"  world   {plural(layout.world, 'rank')} on {plural(len(nodes), 'node')} "
         f"({layout.devices[0]} .. {layout.devices[-1]})",
         f"  grid    tp={p.tp} cp={p.cp} dp={layout.dp} pp={p.pp}"
         + (f" vpp={p.vpp}" if p.vpp else "")
         + (f" | ep={p.ep} etp={p.expert_tp} edp={layout.edp}" if m.num_moe_experts else "")
         + f"  order {p.order}",
         f"  model   {m.num_layers} layers, hidden {m.hidden_size}, "
-        f"{logical_parameter_count(layout) / 1e9:.2f} B parameters"
+        f"{format_count(logical_parameter_count(layout))} parameters"
         + (f", {m.num_moe_experts} experts top-{m.moe_router_topk}" if m.num_moe_experts else "")
         + f", vocab {m.vocab_size} -> {layout.padded_vocab} padded",
         "  stages  " + " | ".join(
@@ -100,120 +95,58 @@ def cmd_layout(args: argparse.Namespace) -> int:
         "  state per rank (min .. max)          total over ranks",
     ]
     for k in kinds:
-        lines.append(f"    {k.kind:<11} {k.dtype:<5} {_fmt_bytes(k.min_bytes):>10} .. "
-                     f"{_fmt_bytes(k.max_bytes):>10}   {_fmt_bytes(k.total_bytes):>10}")
+        lines.append(f"    {k.kind:<11} {k.dtype:<5} {format_bytes(k.min_bytes):>10} .. "
+                     f"{format_bytes(k.max_bytes):>10}   {format_bytes(k.total_bytes):>10}")
     lines.append("  largest tensors")
     for key, shape, n in largest_tensors(layout):
-        lines.append(f"    {key}  {list(shape)}  {n / 1e6:.1f} M")
+        lines.append(f"    {key}  {list(shape)}  {format_count(n)} elements")
     lines.append(f"  computed in {time.perf_counter() - t0:.2f} s")
     print("\n".join(lines))
     return 0
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1e9' -> bytes."""
-    t = text.strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    try:
-        value = float(num) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise DynatrainError(f"--budget: expected a size like 2GiB or 512MiB (got {text!r})") from None
-    if not 0 < value < 1 << 60:
-        raise DynatrainError(f"--budget: must be positive (got {text!r})")
-    return int(value)
-
-
-def _grid(layout: Layout) -> str:
-    p, m = layout.parallel, layout.model
-    out = f"tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp else "") + (
-        f" cp{p.cp}" if p.cp > 1 else "") + f" dp{layout.dp}"
-    if m.num_moe_experts:
-        out += f" ep{p.ep} etp{p.expert_tp} edp{layout.edp}"
-    return out + ("" if p.use_distributed_optimizer else " (no dist-opt)")
+def _reserve(text: str) -> int:
+    return 0 if text.strip() == "0" else parse_bytes(text, "--reserve")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .planner.cost import load_topology
-    from .planner.pipeline import plan_transition
-    from .planner.serialize import plan_to_json
+    from .api import plan
+    from .report.summary import summary_lines
 
-    src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
-    topo = load_topology(args.topology)
-    plan = plan_transition(src, dst, parse_bytes(args.budget), topo, place=args.place)
-    report = verify(plan, src, dst, topo, parse_bytes(args.budget))
-    st = plan.stats
-    st["verify_seconds"] = report.seconds
-    if "peak_live_bytes" in report.checked:  # the topology gives a device memory capacity
-        st["peak_live_bytes"] = report.checked["peak_live_bytes"]
-    if not report.ok:  # never emit a plan that fails: say why, rule by rule
-        print(report, file=sys.stderr)
-        raise VerificationError(report)
+    switch = plan(args.src, args.dst, budget=parse_bytes(args.budget, "--budget"),
+                  topology=args.topology, place=args.place, reserve=_reserve(args.reserve))
+    if args.dot:  # refuse a plan too large to draw, or a bad path, before writing anything
+        from .report.dot import check_dot_path, check_dot_size
+
+        check_dot_path(args.dot)
+        check_dot_size(switch.plan)
+    if args.heatmap:
+        from .report.heatmap import check_heatmap_path
+
+        check_heatmap_path(args.heatmap)
     if args.json:
-        doc = plan_to_json(plan, spec_to_dict(src.spec), spec_to_dict(dst.spec, plan.dst_devices))
-        _write(args.json, json.dumps(doc, separators=(",", ":")), "--json")
+        from .api import save_plan
+
+        save_plan(switch, args.json)
     if args.heatmap:
         from .report.heatmap import write_heatmap
 
-        write_heatmap(plan, args.heatmap)
+        write_heatmap(switch.plan, args.heatmap)
     if args.dot:
         from .report.dot import write_dot
 
-        write_dot(plan, args.dot)
+        write_dot(switch.plan, args.dot)
     if args.text:
         from .planner.text import plan_to_text
 
-        text = plan_to_text(plan)
+        text = plan_to_text(switch.plan)
         if args.text == "-":
             sys.stdout.write(text)
             return 0
         _write(args.text, text, "--text")
-    moved_by_key: dict[str, int] = {}
-    for m in plan.messages():
-        if not m.local:
-            for t in m.transfers:
-                moved_by_key[t.key] = moved_by_key.get(t.key, 0) + t.nbytes
-    lb = st["bytes_lower_bound"]
-    ratio = st["predicted_seconds"] / st["lower_bound_seconds"] if st["lower_bound_seconds"] else 1.0
-    lines = [
-        f"{plan.src_name}  ->  {plan.dst_name}",
-        f"  src     {_grid(src):<32} {src.world} devices",
-        f"  dst     {_grid(dst):<32} {dst.world} devices"
-        f" ({len(set(dst.devices) - set(src.devices))} new,"
-        f" {len(set(src.devices) - set(dst.devices))} leaving)",
-        f"  moved   {_fmt_bytes(st['bytes_moved'])} (lower bound {_fmt_bytes(lb)}"
-        + (", optimal)" if st["bytes_moved"] == lb else f", {st['bytes_moved'] / max(lb, 1):.3f}x)"),
-        f"  local   {_fmt_bytes(st['bytes_local'])} copied on the same device",
-        f"  sends   {st['messages']} messages in {st['rounds']} rounds, "
-        f"peak staging {_fmt_bytes(st['peak_staging_bytes'])} per device "
-        f"(budget {_fmt_bytes(st['budget_bytes'])})",
-        *([f"  memory  peak {_fmt_bytes(st['peak_live_bytes'])} per device while "
-           f"switching (source and destination state plus staging; "
-           f"{_fmt_bytes(int(topo.memory_GB * 1e9))} per device)"]
-          if "peak_live_bytes" in st else []),
-        f"  time    {st['predicted_seconds']:.3f} s predicted on {st['topology']} "
-        f"(lower bound {st['lower_bound_seconds']:.3f} s, {ratio:.2f}x)",
-        f"  planned in {st['plan_seconds']:.2f} s ({st['transfers']} transfers), verified in "
-        f"{report.seconds:.2f} s (coverage, sources, expert owners, deadlock, memory)",
-    ]
-    if "naive_bytes_moved" in st:
-        naive = st["naive_bytes_moved"]
-        lines.insert(4, f"  place   auto: TP groups kept in nodes; moves "
-                        f"{_fmt_bytes(naive - st['bytes_moved'])} less than rank r on device r "
-                        f"({_fmt_bytes(naive)}, {st['naive_predicted_seconds']:.3f} s predicted)")
-    if plan.derived:
-        lines.insert(5, f"  derive  {', '.join(plan.derived)}: not sent; each destination rank "
-                        "casts its main params, then all-gathers over DP (state.derive_param)")
-    lines.append("  biggest movers")
-    for key, n in sorted(moved_by_key.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
-        lines.append(f"    {_fmt_bytes(n):>10}  {key}")
+    lines = summary_lines(switch)
     if args.per_device:
-        lines.extend(_per_device_table(plan))
+        lines.extend(_per_device_table(switch.plan))
     print("\n".join(lines))
     return 0
 
@@ -232,41 +165,19 @@ def _per_device_table(plan) -> list[str]:
         lb = per.get(d)
         cols = [lb.intra_out, lb.intra_in, lb.inter_out, lb.inter_in, lb.local] if lb else [0] * 5
         out.append(f"    {d:<18} {rank_of_src.get(d, '-'):>4} {rank_of_dst.get(d, '-'):>4} "
-                   + " ".join(f"{_fmt_bytes(c):>9}" for c in cols))
+                   + " ".join(f"{format_bytes(c):>9}" for c in cols))
     return out
 
 
-MAX_PLAN_BYTES = 1 << 31  # a plan file larger than this is refused, not read
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .planner.cost import load_topology
-    from .planner.serialize import plan_from_json
+    from .api import load_plan, verify_switch
 
-    try:
-        with open(args.plan, "rb") as f:
-            data = f.read(MAX_PLAN_BYTES + 1)
-    except OSError as err:
-        raise DynatrainError(f"{args.plan}: cannot read ({err.strerror or err})") from None
-    if len(data) > MAX_PLAN_BYTES:
-        raise DynatrainError(f"{args.plan}: a plan file must be at most {MAX_PLAN_BYTES} bytes")
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as err:
-        raise DynatrainError(f"{args.plan}: not JSON ({str(err).splitlines()[0][:80]})") from None
-    plan = plan_from_json(doc)
-    specs = []
-    for side, path in (("src", args.src), ("dst", args.dst)):
-        if path is not None:
-            specs.append(load_spec(path))
-        elif isinstance(doc.get(f"{side}_spec"), dict):
-            specs.append(spec_from_dict(doc[f"{side}_spec"], f"{args.plan}: {side}_spec"))
-        else:
-            raise DynatrainError(f"{args.plan}: no {side}_spec in the plan; pass --{side} SPEC")
-    budget = parse_bytes(args.budget) if args.budget is not None else None
-    report = verify(plan, Layout(specs[0]), Layout(specs[1]), load_topology(args.topology), budget)
+    budget = None if args.budget is None else parse_bytes(args.budget, "--budget")
+    switch = load_plan(args.plan, src=args.src, dst=args.dst, topology=args.topology,
+                       budget=budget, reserve=_reserve(args.reserve))
+    report = verify_switch(switch)
     print(report)
-    return 0 if report.ok else 1
+    return 0 if report.ok else VerificationError.exit_code
 
 
 MAX_LOCAL_PROCESSES = 64  # --processes cannot go above this
@@ -287,8 +198,8 @@ def _available_memory() -> int | None:
 
 def cmd_run_plan(args: argparse.Namespace) -> int:
     from .ir.state import transition_views
+    from .api import plan as plan_switch
     from .ir.summary import bytes_by_kind
-    from .planner.pipeline import plan_transition
 
     if not 1 <= args.processes <= MAX_LOCAL_PROCESSES:
         raise DynatrainError(f"--processes: must be between 1 and {MAX_LOCAL_PROCESSES} "
@@ -311,14 +222,10 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
     avail = _available_memory()
     if avail is not None and need > avail // 2:
         raise DynatrainError(f"run-plan: running this switch locally needs about "
-                             f"{_fmt_bytes(need)} of memory, more than half of the "
-                             f"{_fmt_bytes(avail)} available; try smaller specs")
-    budget = parse_bytes(args.budget)
-    plan = plan_transition(src, dst, budget)
-    report = verify(plan, src, dst, None, budget)
-    if not report.ok:
-        print(report, file=sys.stderr)
-        raise VerificationError(report)
+                             f"{format_bytes(need)} of memory, more than half of the "
+                             f"{format_bytes(avail)} available; try smaller specs")
+    budget = parse_bytes(args.budget, "--budget")
+    plan = plan_switch(src, dst, budget=budget).plan
 
     from .runtime.local import run_local
 
@@ -338,11 +245,11 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
     peak = max(r["report"]["peak_staging_bytes"] for r in results)
     checked = sum(r["checked"] for r in results)
     lines += [
-        f"  moved     {_fmt_bytes(moved)} in {len(plan.rounds)} round(s), "
-        f"{st['messages']} messages; {_fmt_bytes(st['bytes_local'])} copied locally",
+        f"  moved     {format_bytes(moved)} in {len(plan.rounds)} round(s), "
+        f"{st['messages']} messages; {format_bytes(st['bytes_local'])} copied locally",
         f"  time      {seconds:.3f} s (slowest process), {moved / seconds / 1e9:.2f} GB/s achieved",
-        f"  staging   peak {_fmt_bytes(peak)} per device (planned "
-        f"{_fmt_bytes(st['peak_staging_bytes'])}, budget {_fmt_bytes(budget)})",
+        f"  staging   peak {format_bytes(peak)} per device (planned "
+        f"{format_bytes(st['peak_staging_bytes'])}, budget {format_bytes(budget)})",
         f"  bit-exact: {'no' if errors else 'yes'} ({checked} destination tensors on "
         f"{len(plan.dst_devices)} ranks checked against the state built directly)",
     ]
@@ -379,9 +286,17 @@ def cmd_prove(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+BUDGET_HELP = ("staging memory per device, e.g. 2GiB or 512MiB (default 2GiB; a bare number "
+               "means bytes)")
+RESERVE_HELP = ("device memory the job needs besides its state (activations, allocator cache, "
+                "communicator buffers), counted by the memory check, e.g. 20GiB (default 0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="dynatrain", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    ap = _Parser(prog="dynatrain", description="Inspect layouts, plan, verify and run "
+                 "switches between them. Exit statuses: 0 success, 1 a plan breaks a rule or a "
+                 "switch is not bit-exact, 2 bad input, 3 state lost, 4 switch aborted.")
+    sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
     lay = sub.add_parser("layout", help="summarize a layout spec, or dump per-rank facts")
     lay.add_argument("spec")
     lay.add_argument("--json", metavar="FILE", help="write per-rank facts as JSON ('-': stdout)")
@@ -390,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="plan a switch from one layout to another")
     pl.add_argument("src")
     pl.add_argument("dst")
-    pl.add_argument("--budget", default="2GiB", help="staging memory per device (default 2GiB)")
+    pl.add_argument("--budget", default="2GiB", help=BUDGET_HELP)
     pl.add_argument("--topology", default="h100", help="h100, h800 or a topology YAML file")
     pl.add_argument("--json", metavar="FILE", help="write the plan and its summary as JSON")
     pl.add_argument("--text", metavar="FILE",
@@ -404,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "inside nodes) to move the fewest bytes; naive: rank r on the r-th device")
     pl.add_argument("--per-device", action="store_true",
                     help="also print every device's traffic per link")
+    pl.add_argument("--reserve", default="0", help=RESERVE_HELP)
     pl.set_defaults(func=cmd_plan)
     ve = sub.add_parser("verify", help="re-verify a saved plan (exit 1 if it breaks a rule)")
     ve.add_argument("plan", metavar="PLAN.json")
@@ -414,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(default: the budget the plan declares)")
     ve.add_argument("--topology", default="h100",
                     help="h100, h800 or a topology YAML file (device memory capacity)")
+    ve.add_argument("--reserve", default="0", help=RESERVE_HELP)
     ve.set_defaults(func=cmd_verify)
     rp = sub.add_parser("run-plan", help="run a switch here: one CPU process per device, "
                                          "random state, checked bit for bit")
@@ -421,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("dst")
     rp.add_argument("--processes", type=int, default=16,
                     help="the most local processes to start, one per device (default 16)")
-    rp.add_argument("--budget", default="2GiB", help="staging memory per device (default 2GiB)")
+    rp.add_argument("--budget", default="2GiB", help=BUDGET_HELP)
     rp.add_argument("--seed", type=int, default=0, help="seed of the random state (default 0)")
     rp.add_argument("--timeout", type=float, default=60.0,
                     help="seconds any one wait for peers may take (default 60)")
@@ -441,7 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:  # no command: say what there is, as --help does, and exit 2
+        parser.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         return int(args.func(args))
     except DynatrainError as err:

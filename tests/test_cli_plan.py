@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
 from dynatrain.cli import main, parse_bytes
+from dynatrain.ir.errors import DynatrainError
 from dynatrain.planner.serialize import plan_from_json, plan_to_json
 
 SRC = "specs/llama3.1-70b/tp8-pp4-dp4.yaml"
@@ -18,7 +20,8 @@ def test_plan_prints_summary_and_writes_json(tmp_path, capsys) -> None:
     out = tmp_path / "plan.json"
     assert main(["plan", SRC, DST, "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "optimal" in text and "rounds" in text and "biggest movers" in text
+    assert "the least any plan moves for this placement" in text and "rounds" in text
+    assert "biggest movers" in text and "optimal" not in text
     doc = json.loads(out.read_text())
     for field in ("bytes_moved", "bytes_lower_bound", "bytes_local", "messages", "rounds",
                   "peak_staging_bytes", "budget_bytes", "predicted_seconds",
@@ -75,6 +78,29 @@ def test_parse_bytes() -> None:
     assert parse_bytes("2GiB") == 2 << 30
     assert parse_bytes("512 MiB") == 512 << 20
     assert parse_bytes("1e9") == 10**9
+    assert parse_bytes("4096") == parse_bytes(4096) == 4096  # a bare number means bytes
+    assert parse_bytes(100) == 100  # an int is bytes on purpose
+    for bad in ("2", "100", "nan", "inf", "1e999", "-1GiB", "0", "2 parsecs", True, 2.5, 0):
+        with pytest.raises(DynatrainError, match="^--budget: "):
+            parse_bytes(bad)
+    with pytest.raises(DynatrainError, match="2GiB or 2MiB"):  # says what was probably meant
+        parse_bytes("2")
+
+
+def test_plan_with_no_command_prints_usage(capsys) -> None:
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage: dynatrain" in err and all(c in err for c in ("plan", "verify", "run-plan"))
+
+
+def test_plan_summary_counts_and_labels(capsys) -> None:
+    tiny = ("specs/tiny-gpt/tp2-dp2.yaml", "specs/tiny-gpt/pp2-dp2.yaml")
+    assert main(["plan", *tiny, "--budget", "1MiB"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"sends   \d+ messages between devices in \d+ rounds", text)
+    assert re.search(r"local   .* \(\d+ local cop(y|ies)\)", text)
+    assert "wire " in text and "bandwidth model" in text
+    assert "1 rounds" not in text and "1 devices" not in text
 
 
 def test_plan_place_auto_and_per_device(capsys) -> None:
@@ -109,7 +135,10 @@ def test_plan_heatmap_and_dot(tmp_path, capsys) -> None:
     assert main(["plan", small, small, "--dot", str(dot)]) == 0
     assert dot.read_text().startswith("digraph")
     capsys.readouterr()
-    assert main(["plan", SRC, DST, "--dot", str(dot)]) == 2  # 70B: too many messages
+    js, png2 = tmp_path / "big.json", tmp_path / "big.png"
+    assert main(["plan", SRC, DST, "--json", str(js), "--heatmap", str(png2),
+                 "--dot", str(dot)]) == 2  # 70B: too many messages to draw
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--dot is for plans with at most" in err[0]
+    assert len(err) == 1 and "--dot" in err[0] and "at most" in err[0]
+    assert not js.exists() and not png2.exists()  # refused before anything was written
     assert main(["plan", small, small, "--heatmap", str(tmp_path / "t.jpg")]) == 2

@@ -1,6 +1,6 @@
 """Byte sizes as people write them: ``2GiB``, ``512 MiB``, ``1.5e9``, or an int.
 
-A bare number means bytes. Sizes below ``MIN_BARE_BYTES`` written without a unit are refused:
+A bare number means bytes. Text below ``MIN_BARE_BYTES`` written without a unit is refused:
 ``--budget 2`` is far more likely "2 GiB" than two bytes, and a two-byte budget cannot move a
 single element anyway.
 """
@@ -22,7 +22,8 @@ def parse_bytes(size: str | int, field: str = "--budget") -> int:
     """``'2GiB'``, ``'512MiB'``, ``'1e9'``, ``4096`` -> bytes (int).
 
     Units: B, K/KiB, M/MiB, G/GiB, T/TiB (powers of 1024) and KB, MB, GB, TB (powers of 1000),
-    any case. A bare number means bytes and must then be at least 1024.
+    any case. A bare number means bytes; typed without a unit it must be at least 1024 (an
+    ``int`` is taken as bytes whatever its size).
 
     Raises:
         DynatrainError: naming ``field``, for anything that is not a positive finite size.
@@ -32,7 +33,7 @@ def parse_bytes(size: str | int, field: str = "--budget") -> int:
     if isinstance(size, int):
         if not 0 < size < MAX_BYTES:
             raise DynatrainError(f"{field}: must be a positive size below 1 EiB (got {size!r})")
-        return size if size >= MIN_BARE_BYTES else _bare_refusal(field, size)
+        return size  # an int in code is bytes on purpose; only typed text can miss a unit
     if not isinstance(size, str):
         raise DynatrainError(f"{field}: expected a size like 2GiB or 512MiB (got {size!r})")
     t = size.strip().lower().replace(" ", "").replace("_", "")

@@ -287,7 +287,8 @@ def cmd_prove(args: argparse.Namespace) -> int:
 
 
 BUDGET_HELP = ("staging memory per device, e.g. 2GiB or 512MiB (default 2GiB; a bare number "
-               "means bytes)")
+               "means bytes); a budget so small that the plan would need over 1024 rounds is "
+               "refused with the smallest budget that plans")
 RESERVE_HELP = ("device memory the job needs besides its state (activations, allocator cache, "
                 "communicator buffers), counted by the memory check, e.g. 20GiB (default 0)")
 

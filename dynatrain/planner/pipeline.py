@@ -1,7 +1,9 @@
-"""The planner's named pass pipeline: intersect -> pick_sources -> coalesce -> rounds.
+"""The planner's named pass pipeline: intersect -> pick_sources -> budget -> coalesce -> rounds.
 
 ``plan_transition(src, dst, budget_bytes)`` returns a ``Plan`` plus its summary numbers. Each pass
 is a pure function of the previous pass's output; ``trace(name, value, seconds)`` sees each one.
+The budget check bounds the rounds and messages from the transfers alone, so that a budget tiny
+against the state is refused in the time the transfers took, not after cutting millions of pieces.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from .gcpause import cycle_collector_paused
 from .intersect import Intersection, PlanError, intersect
 from .place import auto_place
 from .plan import Plan
-from .schedule import coalesce, peak_staging, schedule_rounds
+from .schedule import check_budget, coalesce, peak_staging, schedule_rounds
 from .sources import pick_sources
 
 Trace = Callable[[str, Any, float], None]
@@ -47,7 +49,10 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
     records what the naive placement would have cost in the stats (``naive_*``).
 
     Raises:
-        PlanError: the layouts are not the same model, or the budget cannot fit one element.
+        PlanError: the layouts are not the same model.
+        BudgetTooSmall (a PlanError): the budget cannot stage one element, or the plan would need
+            more rounds or messages x rounds than ``schedule.MAX_ROUNDS`` and
+            ``schedule.MAX_SCHEDULE_STEPS`` allow; it names the smallest budget that fits.
     """
     if budget_bytes <= 0:
         raise PlanError(f"--budget must be positive (got {budget_bytes})")
@@ -92,6 +97,7 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
     """The passes after intersect, for one placement of ``dst``."""
     transfers, lower_bytes = step("pick_sources", lambda: pick_sources(inter, src.devices,
                                                                        dst.devices, dtypes))
+    step("budget", lambda: check_budget(transfers, src.devices, dst.devices, budget_bytes))
     messages = step("coalesce", lambda: coalesce(transfers, src.devices, dst.devices,
                                                  budget_bytes))
     rounds = step("rounds", lambda: schedule_rounds(messages, budget_bytes, topology))
@@ -104,7 +110,10 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
         bytes_lower_bound=lower_bytes,
         bytes_local=sum(m.nbytes for m in plan.messages() if m.local),
         messages=sum(1 for m in plan.messages() if not m.local),
-        transfers=len(transfers),
+        # Records of the plan, as its JSON, --text and `verify` count them; parts are what
+        # pick_sources chose a sender for, before coalesce cut big ones to message size.
+        transfers=sum(len(m.transfers) for m in plan.messages()),
+        parts=len(transfers),
         rounds=len(rounds),
         peak_staging_bytes=max(peaks, default=0),
         budget_bytes=budget_bytes,

@@ -5,13 +5,19 @@ into one on the receiver, so it costs its size on both devices for its round; lo
 slot to slot and stage nothing. A device's budget is split evenly between sending and receiving;
 messages are cut into pieces of at most a quarter of that half, transfers that overflow a piece
 into slabs of their box, so that rounds can be balanced finely.
+
+A budget tiny against the state would make those pieces and rounds explode (the packer's time
+grows with messages x rounds), so ``check_budget`` bounds both from the transfers alone, before
+any piece is cut, and refuses such a budget with the smallest one the plan allows.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
 
 from ..ir.box import Box
+from ..ir.units import format_bytes, parse_bytes
 from .intersect import PlanError
 from .cost import Topology
 from .plan import Message, Round, Transfer, message_order
@@ -228,3 +234,171 @@ def peak_staging(rnd: Round) -> dict[str, int]:
             used[m.src_device] += m.nbytes
             used[m.dst_device] += m.nbytes
     return dict(used)
+
+
+# ---- budget limits: checked from the transfers, before coalesce cuts them ----------------------
+
+# The most rounds a plan may need. Every round ends in a barrier of all devices at run time;
+# the shipped switches need at most 32 at the default 2 GiB (Qwen3-235B TP4 PP8 EP16 -> TP8 PP4
+# EP8) and the test suite's small budgets about 340.
+MAX_ROUNDS = 1024
+# The most messages x rounds the packer may face: it tries each message in each round, about
+# 0.6 us a try here, so this is ~2.5 s of packing. At the default 2 GiB the shipped switches
+# need at most ~1.1M (Llama-3.1-405B 4096 -> 3072 GPUs: 120k messages in 9 rounds). A device
+# sends about 4 pieces a round, so messages >= 4 x rounds: this caps rounds near 1024 too.
+MAX_SCHEDULE_STEPS = 1 << 22
+# A switch whose device pairs alone exceed MAX_SCHEDULE_STEPS is bounded by its own size
+# instead: this many steps per pair of devices that exchange anything (so some budget fits).
+STEPS_PER_PAIR = 16
+
+
+class BudgetTooSmall(PlanError):
+    """The budget cannot stage one element, or its plan would need more rounds or scheduling
+    steps than ``MAX_ROUNDS`` and ``MAX_SCHEDULE_STEPS`` allow.
+
+    Attributes:
+        budget: the budget given, in bytes.
+        rounds: the fewest rounds any schedule within ``budget`` needs.
+        messages: the fewest messages coalesce would cut with ``budget``.
+        smallest: the smallest budget (bytes) whose bounds fit every limit.
+        suggested: ``smallest`` rounded up to a size ``format_bytes`` writes exactly.
+    """
+
+    def __init__(self, message: str, budget: int, rounds: int, messages: int, smallest: int,
+                 suggested: int) -> None:
+        super().__init__(message)
+        self.budget, self.rounds, self.messages = budget, rounds, messages
+        self.smallest, self.suggested = smallest, suggested
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What a plan's transfers between devices ask of a staging budget, before any cutting.
+
+    Attributes:
+        busiest_bytes: the most bytes one device sends, or receives, over the whole switch.
+        pairs: (bytes, largest element's bytes, how many pairs) per distinct kind of device
+            pair that exchanges anything (pairs of equal demand are counted, not repeated).
+        elem_bytes: the largest element (all its kinds) sent between devices.
+        elem_key: the tensor that element belongs to.
+    """
+
+    busiest_bytes: int
+    pairs: tuple[tuple[int, int, int], ...]
+    elem_bytes: int
+    elem_key: str
+
+    @classmethod
+    def of(cls, transfers: list[Transfer], src_devices: tuple[str, ...],
+           dst_devices: tuple[str, ...]) -> Demand:
+        """One pass over ``transfers``; local copies stage nothing and are left out."""
+        pair_bytes: dict[tuple[str, str], int] = defaultdict(int)
+        pair_elem: dict[tuple[str, str], int] = defaultdict(int)
+        elem, key = 0, ""
+        for t in transfers:
+            pair = (src_devices[t.src_rank], dst_devices[t.dst_rank])
+            if pair[0] == pair[1]:
+                continue
+            pair_bytes[pair] += t.nbytes
+            per_elem = t.nbytes // max(1, t.box.numel)
+            if per_elem > pair_elem[pair]:
+                pair_elem[pair] = per_elem
+                if per_elem > elem:
+                    elem, key = per_elem, t.key
+        sent: dict[str, int] = defaultdict(int)
+        received: dict[str, int] = defaultdict(int)
+        for (s, d), n in pair_bytes.items():
+            sent[s] += n
+            received[d] += n
+        kinds = Counter((n, pair_elem[p]) for p, n in pair_bytes.items())
+        return cls(max([*sent.values(), *received.values()], default=0),
+                   tuple(sorted((n, e, c) for (n, e), c in kinds.items())), elem, key)
+
+    def rounds(self, budget: int) -> int:
+        """The fewest rounds any schedule needs: a device sends, and receives, at most half
+        the budget a round (``schedule_rounds``' starting count)."""
+        return -(-self.busiest_bytes // max(1, budget // 2))
+
+    def messages(self, budget: int) -> int:
+        """The fewest messages ``coalesce`` cuts: none exceeds its pair's cap (a piece, or
+        one element where that is larger, at most half the budget)."""
+        half = max(1, budget // 2)
+        piece = max(1, half // PIECES_PER_HALF)
+        return sum(c * -(-n // min(half, max(piece, e))) for n, e, c in self.pairs)
+
+    def step_limit(self) -> int:
+        """``MAX_SCHEDULE_STEPS``, or ``STEPS_PER_PAIR`` per exchanging pair where more."""
+        return max(MAX_SCHEDULE_STEPS, STEPS_PER_PAIR * sum(c for _, _, c in self.pairs))
+
+    def fits(self, budget: int) -> bool:
+        """Whether ``budget`` stages every element and its bounds stay within the limits."""
+        if not self.pairs:
+            return True
+        if self.elem_bytes > budget // 2:
+            return False
+        rounds = self.rounds(budget)
+        return rounds <= MAX_ROUNDS and rounds * self.messages(budget) <= self.step_limit()
+
+    def smallest_budget(self) -> int:
+        """The smallest budget that ``fits`` (every bound shrinks as the budget grows)."""
+        # Here every pair is one piece (half >= 4 x busiest) in one round: steps = pairs.
+        lo, hi = 0, 8 * (self.busiest_bytes + self.elem_bytes) + 16
+        while hi - lo > 1:  # fits(hi), not fits(lo)
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.fits(mid) else (mid, hi)
+        return hi
+
+
+def check_budget(transfers: list[Transfer], src_devices: tuple[str, ...],
+                 dst_devices: tuple[str, ...], budget: int) -> Demand:
+    """Refuse ``budget`` if it cannot stage one element, or if the plan would need more than
+    ``MAX_ROUNDS`` rounds or ``MAX_SCHEDULE_STEPS`` messages x rounds, before ``coalesce``
+    cuts anything (a tiny budget explodes the pieces, and the packer's time with them).
+
+    Raises:
+        BudgetTooSmall: one line with the budget, the rounds and messages it needs at least,
+            the limits, and the smallest budget this plan allows (rounded up to a size
+            ``format_bytes`` writes exactly; it passes this check).
+
+    Example:
+        >>> check_budget(transfers, src.devices, dst.devices, 256)  # doctest: +SKIP
+        BudgetTooSmall: --budget 256 B is too small for this switch: it needs at least ...
+    """
+    need = Demand.of(transfers, src_devices, dst_devices)
+    if need.fits(budget):
+        return need
+    smallest = need.smallest_budget()
+    suggested = _round_up(smallest)
+    typed = format_bytes(suggested).replace(" ", "")
+    tail = (f"; the smallest budget this plan allows is {format_bytes(suggested)} "
+            f"(--budget {typed})")
+    given = format_bytes(budget)
+    if _round_up(budget) != budget:  # not written exactly: say the bytes too
+        given = f"{budget} B ({given})"
+    rounds, messages = need.rounds(budget), need.messages(budget)
+    if need.elem_bytes > budget // 2:
+        text = (f"--budget {given} is too small to move one element ({need.elem_bytes} bytes) "
+                f"of {need.elem_key}: a device stages what it sends in half the budget and "
+                f"what it receives in the other half{tail}")
+    else:
+        text = (f"--budget {given} is too small for this switch: it needs at least {rounds:,} "
+                f"rounds and {messages:,} messages ({rounds * messages:,} messages x rounds to "
+                f"schedule), over the planner's limit of {MAX_ROUNDS:,} rounds and "
+                f"{need.step_limit():,} messages x rounds{tail}")
+    raise BudgetTooSmall(text, budget, rounds, messages, smallest, suggested)
+
+
+def _round_up(n: int) -> int:
+    """The smallest size >= ``n`` that ``format_bytes`` writes exactly (one decimal of its
+    unit, read back by ``parse_bytes``): a budget the user can type as shown."""
+    unit, name = 1, "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 * unit:
+            break
+        unit, name = unit * 1024, bigger
+    if unit == 1:
+        return n
+    tenths = -(-n * 10 // unit)
+    while (v := parse_bytes(f"{tenths / 10:.1f}{name}")) < n:  # float parsing rounds down
+        tenths += 1
+    return v

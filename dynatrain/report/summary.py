@@ -53,7 +53,7 @@ def summary_lines(switch: PlannedSwitch, biggest: int = 5) -> list[str]:
         *_derive_lines(switch),
         *_memory_lines(switch),
         *_time_lines(switch),
-        f"  planned in {st['plan_seconds']:.2f} s ({plural(st['transfers'], 'transfer')}), "
+        f"  planned in {st['plan_seconds']:.2f} s ({_transfers(st)}), "
         f"verified in {st.get('verify_seconds', 0.0):.2f} s "
         f"(coverage, sources, expert owners, deadlock, memory)",
     ]
@@ -67,6 +67,15 @@ def summary_lines(switch: PlannedSwitch, biggest: int = 5) -> list[str]:
         for key, n in sorted(moved_by_key.items(), key=lambda kv: (-kv[1], kv[0]))[:biggest]:
             lines.append(f"    {format_bytes(n):>10}  {key}")
     return lines
+
+
+def _transfers(st: dict) -> str:
+    # A transfer is one record of the plan (as in its JSON, --text and `verify`); a part is
+    # what the planner picked a sender for, before big parts were cut to message size.
+    text = plural(st["transfers"], "transfer")
+    if "parts" in st and st["parts"] != st["transfers"]:
+        text += f"; {plural(st['parts'], 'part')} before cutting to message size"
+    return text
 
 
 def _moved_line(st: dict) -> str:

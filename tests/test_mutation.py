@@ -214,11 +214,15 @@ def test_deadlock_and_memory_reports_name_messages_and_rounds() -> None:
     assert f"#{i} (" in text, text
     over = overflow_budget(plan, s, d, random.Random(2))
     assert over is not None
-    text = str(verify(over.plan, s, d))
-    r, dev = over.focus[0]
-    # A moved message, or a declared budget below the real peak when no single move overflows.
-    budget = over.plan.budget_bytes
-    assert f"memory: round {r}: {dev} stages" in text and f"over the budget of {budget}" in text, text
+    report = verify(over.plan, s, d)
+    text = str(report)
+    # One sentence for every (round, device) over, naming the worst: a moved message, or a
+    # declared budget below the real peak when no single move overflows.
+    (v,) = report.violations
+    r, n, budget = v.witness
+    dev = v.devices[0]
+    assert (r, dev) in over.focus and budget == over.plan.budget_bytes < n, (v, over.focus)
+    assert f"memory: round {r}: {dev} stages " in text and " budget" in text, text
 
 
 def test_mutants_are_deterministic_and_leave_the_plan_alone() -> None:

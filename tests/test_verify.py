@@ -14,8 +14,11 @@ import pytest
 from hypothesis import given
 
 from dynatrain.ir.box import Box
-from dynatrain.ir.layout import Layout
-from dynatrain.ir.state import StateView
+from dynatrain.ir.errors import DynatrainError
+from dynatrain.ir.layout import DTYPE_BYTES, Layout
+from dynatrain.ir.state import OPTIMIZER_KINDS, StateView
+from dynatrain.ir.summary import rank_elements
+from dynatrain.ir.units import format_bytes
 from dynatrain.planner.cost import Topology
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Message, Round
@@ -178,11 +181,130 @@ def test_memory_over_budget_and_over_capacity() -> None:
     peak = verify(plan, s, d).checked["peak_staging_bytes"]
     tight = dataclasses.replace(plan, budget_bytes=peak - 1)
     report = verify(tight, s, d)
-    assert report.rules() == {"memory"}
+    assert report.rules() == {"memory"} and len(report.violations) == 1
     assert report.violations[0].witness[1:] == (peak, peak - 1)
+    assert (f"round 0: {report.violations[0].devices[0]} stages {format_bytes(peak)}, over the "
+            f"{format_bytes(peak - 1)} budget (1 more (round, device) pair over)") in str(report)
     small = Topology(memory_GB=1e-6)  # 1000 bytes: less than any device's state
     report = verify(plan, s, d, small)
-    assert report.rules() == {"memory"} and all(v.witness[2] == 1000 for v in report.violations)
+    assert report.rules() == {"memory"} and len(report.violations) == 1
+    v = report.violations[0]
+    assert v.witness[2] == 1000 and set(v.devices) == set(plan.src_devices)
+    assert "1 more device is over too" in v.detail
+
+
+# ---- memory: state + staging + reserve against device memory, counted independently ---------
+
+# pp2 -> pp4 keeps TP (and so the padded vocab): every device's state is its ranks' elements.
+PP_SRC, PP_DST = spec(DENSE, 4, pp=2), spec(DENSE, 4, pp=4)
+CAPACITY = 2_000_000  # bytes: Topology(memory_GB=0.002)
+
+
+def _state_bytes(layout: Layout, devices: tuple[str, ...], dev: str) -> int:
+    """Bytes of state ``dev`` holds, from the per-rank element counts (not the verifier)."""
+    if dev not in devices:
+        return 0
+    params, opt = rank_elements(layout, devices.index(dev))
+    st = layout.spec.state
+    opt_dtypes = [getattr(st, k) for k in OPTIMIZER_KINDS if getattr(st, k) is not None]
+    step = 8 if opt_dtypes else 0  # Adam's step: one int64 on every rank
+    return (params * DTYPE_BYTES[st.param] + sum(opt * DTYPE_BYTES[t] for t in opt_dtypes)
+            + step)
+
+
+def _staging(plan, dev: str) -> tuple[int, int]:
+    """(bytes, round) of the round in which ``dev`` stages the most, from the plan's messages."""
+    per_round = [sum(m.nbytes for m in r.messages
+                     if not m.local and dev in (m.src_device, m.dst_device)) for r in plan.rounds]
+    best = max(per_round, default=0)
+    return best, per_round.index(best) if per_round else 0
+
+
+def _live(plan, s: Layout, d: Layout) -> dict[str, tuple[int, int, int, int]]:
+    """Per device: (source state, destination state, peak staging, its round)."""
+    return {dev: (_state_bytes(s, plan.src_devices, dev), _state_bytes(d, plan.dst_devices, dev),
+                  *_staging(plan, dev))
+            for dev in sorted(set(plan.src_devices) | set(plan.dst_devices))}
+
+
+def test_reserve_that_fits_passes_and_says_what_was_counted() -> None:
+    plan, s, d = _plan(PP_SRC, PP_DST, budget=1 << 20)
+    live = _live(plan, s, d)
+    total = {dev: a + b + c for dev, (a, b, c, _) in live.items()}
+    fullest = max(sorted(total), key=total.get)
+    reserve = CAPACITY - total[fullest]  # fills the fullest device to the byte
+    report = check(plan, s, d, Topology(memory_GB=CAPACITY / 1e9), reserve_bytes=reserve)
+    assert report.ok
+    c = report.checked
+    assert (c["peak_live_bytes"], c["reserve_bytes"], c["capacity_bytes"], c["headroom_bytes"],
+            c["fullest_device"]) == (total[fullest], reserve, CAPACITY, 0, fullest)
+    assert c["peak_staging_bytes"] == max(x[2] for x in live.values())
+    # No device memory to check against: nothing about live state is claimed.
+    assert "peak_live_bytes" not in verify(plan, s, d).checked
+
+
+def test_reserve_that_pushes_one_device_over_names_it_and_the_four_parts() -> None:
+    plan, s, d = _plan(PP_SRC, PP_DST, budget=1 << 20)
+    live = _live(plan, s, d)
+    total = {dev: a + b + c for dev, (a, b, c, _) in live.items()}
+    ranked = sorted(total, key=lambda dev: (-total[dev], dev))
+    worst, second = ranked[:2]
+    assert total[worst] > total[second]  # the case has one fullest device
+    reserve = CAPACITY - total[worst] + 1
+    report = verify(plan, s, d, Topology(memory_GB=CAPACITY / 1e9), reserve_bytes=reserve)
+    assert report.rules() == {"memory"} and len(report.violations) == 1
+    v = report.violations[0]
+    src_n, dst_n, staged, r = live[worst]
+    assert v.devices == (worst,) and v.witness == (r, CAPACITY + 1, CAPACITY)
+    assert v.detail == (
+        f"{worst} needs {CAPACITY + 1} bytes while switching (source state "
+        f"{format_bytes(src_n)} + destination state {format_bytes(dst_n)} + staging "
+        f"{format_bytes(staged)} in round {r} + reserve {format_bytes(reserve)}) but has "
+        f"{CAPACITY} bytes — free memory, lower --reserve, or use a smaller --budget / more "
+        f"devices")
+    assert report.checked["headroom_bytes"] == -1
+    with pytest.raises(VerificationError, match=f"memory: {worst} needs"):
+        check(plan, s, d, Topology(memory_GB=CAPACITY / 1e9), reserve_bytes=reserve)
+
+
+def test_overflow_on_53_devices_is_one_sentence_per_kind() -> None:
+    plan, s, d = _plan(spec(DENSE, 64, tp=2), spec(DENSE, 64, tp=2, pp=2), budget=1 << 20)
+    live = _live(plan, s, d)
+    total = sorted((a + b + c for a, b, c, _ in live.values()), reverse=True)
+    capacity = 10**6
+    reserve = capacity - total[52] + 1  # the 53 fullest devices (and any tied with them) over
+    n_over = sum(1 for t in total if t + reserve > capacity)
+    assert n_over >= 53
+    budget = 1 << 14
+    pairs_over = sum(1 for dev in live for r in plan.rounds
+                     if sum(m.nbytes for m in r.messages if not m.local
+                            and dev in (m.src_device, m.dst_device)) > budget)
+    tight = dataclasses.replace(plan, budget_bytes=budget)
+    report = verify(tight, s, d, Topology(memory_GB=capacity / 1e9), reserve_bytes=reserve)
+    lines = str(report).splitlines()
+    assert lines[0] == "verification failed: 2 violation(s)" and len(lines) == 3, lines
+    staging, state = report.violations
+    assert f"over the {format_bytes(budget)} budget ({pairs_over - 1} more (round, device) " \
+           "pairs over)" in staging.detail
+    assert staging.witness[1] == max(x[2] for x in live.values())
+    assert f"; {n_over - 1} more devices are over too — " in state.detail
+    assert len(state.devices) == 8 and state.devices[0] == max(
+        sorted(live), key=lambda dev: sum(live[dev][:3]))
+
+
+@pytest.mark.parametrize("reserve", [-1, 1.5, True, "1GiB", 1 << 60])
+def test_a_reserve_that_is_not_a_byte_count_is_refused(reserve) -> None:
+    plan, s, d = _plan(spec(DENSE, 2, tp=2), spec(DENSE, 2, pp=2))
+    with pytest.raises(DynatrainError, match=r"^reserve: must be a whole number of bytes"):
+        verify(plan, s, d, Topology(), reserve_bytes=reserve)
+
+
+def test_a_reserve_without_device_memory_is_refused_not_ignored() -> None:
+    plan, s, d = _plan(spec(DENSE, 2, tp=2), spec(DENSE, 2, pp=2))
+    with pytest.raises(DynatrainError, match=r"^reserve: 1\.0 GiB needs a device memory"):
+        verify(plan, s, d, Topology(memory_GB=None), reserve_bytes=1 << 30)
+    with pytest.raises(DynatrainError, match=r"^reserve: "):
+        check(plan, s, d, None, reserve_bytes=1 << 30)
 
 
 def test_expert_state_sent_to_a_device_that_does_not_own_it() -> None:

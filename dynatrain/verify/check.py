@@ -25,14 +25,15 @@ from ..planner.cost import Topology
 from ..planner.gcpause import cycle_collector_paused
 from ..planner.plan import Plan
 from .data import check_data
-from .memory import check_memory
+from .memory import check_memory, checked_reserve
 from .order import check_deadlock
 from .ownership import check_expert_ownership
 from .report import VerificationError, Violation, VerifyReport
 
 
 def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None,
-           budget_bytes: int | None = None, limit: int = 50) -> VerifyReport:
+           budget_bytes: int | None = None, limit: int = 50, *,
+           reserve_bytes: int = 0) -> VerifyReport:
     """Every violation of the five rules by ``plan`` moving ``src``'s state into ``dst``.
 
     ``dst`` may place its ranks on other devices than the plan does (``--place auto``): the
@@ -40,13 +41,20 @@ def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = Non
     memory capacity (None: only the staging budget is checked). ``budget_bytes``: the staging
     budget the user asked for (default: the one the plan declares; a plan cannot raise it).
     At most ``limit`` violations are kept per rule; the report counts the rest.
+    ``reserve_bytes``: device memory the training job needs besides its state (activations,
+    allocator cache, communicator buffers), counted on every device against the capacity.
+
+    Raises:
+        DynatrainError: ``reserve_bytes`` is not a whole number of bytes >= 0, or is given
+            without a device memory to count it against.
     """
+    reserve_bytes = checked_reserve(reserve_bytes, topology)
     with cycle_collector_paused():
-        return _verify(plan, src, dst, topology, budget_bytes, limit)
+        return _verify(plan, src, dst, topology, budget_bytes, limit, reserve_bytes)
 
 
 def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
-            budget_bytes: int | None, limit: int) -> VerifyReport:
+            budget_bytes: int | None, limit: int, reserve_bytes: int) -> VerifyReport:
     t0 = time.perf_counter()
     kept: list[Violation] = []
     per_rule: Counter[str] = Counter()
@@ -65,16 +73,17 @@ def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
         if topology is not None and topology.memory_GB is not None:
             capacity = int(topology.memory_GB * 1e9)
         budget = plan.budget_bytes if budget_bytes is None else budget_bytes
-        checked.update(check_memory(plan, sv, dv, staging, budget, capacity, emit))
+        checked.update(check_memory(plan, sv, dv, staging, budget, capacity, emit,
+                                    reserve_bytes))
     check_deadlock(plan, emit)
     dropped = sum(max(0, n - limit) for n in per_rule.values())
     return VerifyReport(tuple(kept), checked, time.perf_counter() - t0, dropped)
 
 
 def check(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None,
-          budget_bytes: int | None = None) -> VerifyReport:
+          budget_bytes: int | None = None, *, reserve_bytes: int = 0) -> VerifyReport:
     """``verify``, raising ``VerificationError`` (with every violation) if any rule fails."""
-    report = verify(plan, src, dst, topology, budget_bytes)
+    report = verify(plan, src, dst, topology, budget_bytes, reserve_bytes=reserve_bytes)
     if not report.ok:
         raise VerificationError(report)
     return report

@@ -4,17 +4,28 @@ A runtime posts a round's messages together, so a device stages every remote mes
 or receives in that round at once (local copies go slot to slot and stage nothing). Bytes are
 recomputed from each transfer's box and the tensors' dtypes, not read from the plan. Live state
 is everything the device holds in the source layout plus everything it will hold in the
-destination (source state is freed only after the switch commits).
+destination (source state is freed only after the switch commits), plus the ``reserve`` the
+training job needs besides its state (activations, allocator cache, communicator buffers):
+state alone would pass a device that the job has already filled.
+
+Violations are summarised: at most one per kind (staging over the budget; live state over the
+device memory), naming the worst device with its figures in one sentence and counting the rest,
+so that an overflow on every device reads as one cause, not one line per device.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+from ..ir.errors import DynatrainError
 from ..ir.state import StateView
+from ..ir.units import MAX_BYTES, format_bytes
+from ..planner.cost import Topology
 from ..planner.plan import Plan
 from .data import ITEMSIZE, Emit
 from .report import Violation
+
+MAX_DEVICES_LISTED = 8  # a violation's ``devices``: the worst first, then the next ones
 
 
 def held_bytes(view: StateView, devices: tuple[str, ...]) -> dict[str, int]:
@@ -33,32 +44,107 @@ def held_bytes(view: StateView, devices: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
+def checked_reserve(reserve: object, topology: Topology | None) -> int:
+    """``reserve`` as bytes, refused unless a whole number >= 0 with a capacity to count it in.
+
+    A reserve without the topology's device memory would be silently ignored: refused instead.
+
+    Raises:
+        DynatrainError: naming ``reserve`` and the rule it breaks.
+    """
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 <= reserve < MAX_BYTES:
+        raise DynatrainError(f"reserve: must be a whole number of bytes from 0 to below 1 EiB "
+                             f"(got {reserve!r:.40})")
+    if reserve and (topology is None or topology.memory_GB is None):
+        raise DynatrainError(f"reserve: {format_bytes(reserve)} needs a device memory to count "
+                             f"against, but the topology gives none (set memory_GB)")
+    return reserve
+
+
 def check_memory(plan: Plan, src: StateView, dst: StateView, rounds: list[dict[str, int]],
-                 budget: int, capacity: int | None, emit: Emit) -> dict[str, int]:
-    """Emit a violation per (round, device) over ``budget`` or the capacity.
+                 budget: int, capacity: int | None, emit: Emit,
+                 reserve: int = 0) -> dict[str, int | str]:
+    """Emit at most one violation for staging over ``budget`` and one for live state plus
+    ``reserve`` over ``capacity``, each naming the worst device.
 
     ``rounds``: per round, the bytes each device stages (``data.check_data`` counts them from
-    the transfers' boxes and dtypes). Returns the peak staging and live bytes.
+    the transfers' boxes and dtypes). Returns the peak staging bytes and, when ``capacity`` is
+    known, what the capacity check counted: ``peak_live_bytes`` (state plus staging on the
+    fullest device), ``reserve_bytes``, ``capacity_bytes``, ``headroom_bytes`` (capacity minus
+    both; negative when over) and ``fullest_device``.
     """
-    live: dict[str, int] = defaultdict(int)
+    _check_staging(rounds, budget, emit)
+    out: dict[str, int | str] = {
+        "peak_staging_bytes": max((n for u in rounds for n in u.values()), default=0)}
     if capacity is not None:
-        for part in (held_bytes(src, plan.src_devices), held_bytes(dst, plan.dst_devices)):
-            for dev, n in part.items():
-                live[dev] += n
-    peak_staging = peak_live = 0
+        out.update(_check_live(plan, src, dst, rounds, capacity, reserve, emit))
+    return out
+
+
+def _check_staging(rounds: list[dict[str, int]], budget: int, emit: Emit) -> None:
+    over = [(n, r, dev) for r, used in enumerate(rounds) for dev, n in used.items() if n > budget]
+    if not over:
+        return
+    # The most bytes first; ties to the earliest round, then the device name.
+    over.sort(key=lambda x: (-x[0], x[1], x[2]))
+    n, r, dev = over[0]
+    stages, limit = _pair(n, budget)
+    others = len(over) - 1
+    more = (f" ({others} more (round, device) pair{'s' if others > 1 else ''} over)"
+            if others else "")
+    emit(Violation("memory", f"round {r}: {dev} stages {stages}, over the {limit} budget{more}",
+                   devices=_listed(d for _, _, d in over), witness=(r, n, budget)))
+
+
+def _check_live(plan: Plan, src: StateView, dst: StateView, rounds: list[dict[str, int]],
+                capacity: int, reserve: int, emit: Emit) -> dict[str, int | str]:
+    src_held = held_bytes(src, plan.src_devices)
+    dst_held = held_bytes(dst, plan.dst_devices)
+    staged: dict[str, tuple[int, int]] = {}  # device -> (most bytes it stages, in which round)
     for r, used in enumerate(rounds):
-        for dev, n in sorted(used.items()):
-            peak_staging = max(peak_staging, n)
-            if n > budget:
-                emit(Violation("memory", f"round {r}: {dev} stages {n} bytes, over the budget of "
-                               f"{budget}", devices=(dev,), witness=(r, n, budget)))
-    if capacity is not None:
-        for dev in sorted(set(live) | {d for u in rounds for d in u}):
-            n = live[dev] + max((u.get(dev, 0) for u in rounds), default=0)
-            peak_live = max(peak_live, n)
-            if n > capacity:
-                r = max(range(len(rounds)), key=lambda i: rounds[i].get(dev, 0), default=0)
-                emit(Violation("memory", f"round {r}: {dev} needs {n} bytes (source and "
-                               f"destination state plus staging), over its {capacity} bytes",
-                               devices=(dev,), witness=(r, n, capacity)))
-    return {"peak_staging_bytes": peak_staging, "peak_live_bytes": peak_live}
+        for dev, n in used.items():
+            if n > staged.get(dev, (0, 0))[0]:  # strictly more: the earliest round on ties
+                staged[dev] = (n, r)
+    live = {dev: src_held.get(dev, 0) + dst_held.get(dev, 0) + staged.get(dev, (0, 0))[0]
+            for dev in set(src_held) | set(dst_held) | set(staged)}
+    by_need = sorted(live, key=lambda d: (-live[d], d))
+    fullest = by_need[0] if by_need else ""
+    peak = live.get(fullest, 0)
+    over = [d for d in by_need if live[d] + reserve > capacity]
+    if over:
+        emit(_over_capacity(over, src_held, dst_held, staged, capacity, reserve))
+    return {"peak_live_bytes": peak, "reserve_bytes": reserve, "capacity_bytes": capacity,
+            "headroom_bytes": capacity - peak - reserve, "fullest_device": fullest}
+
+
+def _over_capacity(over: list[str], src_held: dict[str, int], dst_held: dict[str, int],
+                   staged: dict[str, tuple[int, int]], capacity: int, reserve: int) -> Violation:
+    """One sentence for every device over its memory: the worst one's sum, part by part."""
+    dev = over[0]
+    src_n, dst_n = src_held.get(dev, 0), dst_held.get(dev, 0)
+    staged_n, r = staged.get(dev, (0, 0))
+    need = src_n + dst_n + staged_n + reserve
+    needs, has = _pair(need, capacity)
+    parts = [f"source state {format_bytes(src_n)}", f"destination state {format_bytes(dst_n)}",
+             f"staging {format_bytes(staged_n)}" + (f" in round {r}" if staged_n else "")]
+    if reserve:
+        parts.append(f"reserve {format_bytes(reserve)}")
+    others = len(over) - 1
+    more = (f"; {others} more device{'s are' if others > 1 else ' is'} over too"
+            if others else "")
+    fix = ("free memory, lower --reserve, or use a smaller --budget / more devices" if reserve
+           else "use a smaller --budget or more devices")
+    return Violation("memory", f"{dev} needs {needs} while switching ({' + '.join(parts)}) but "
+                     f"has {has}{more} — {fix}",
+                     devices=_listed(over), witness=(r, need, capacity))
+
+
+def _pair(n: int, limit: int) -> tuple[str, str]:
+    """``n`` and ``limit`` readable, in exact bytes where rounding would print them equal."""
+    a, b = format_bytes(n), format_bytes(limit)
+    return (a, b) if a != b else (f"{n} bytes", f"{limit} bytes")
+
+
+def _listed(devices) -> tuple[str, ...]:
+    """Distinct devices in the order given (the worst first), at most ``MAX_DEVICES_LISTED``."""
+    return tuple(dict.fromkeys(devices))[:MAX_DEVICES_LISTED]

@@ -2,7 +2,8 @@
 
 A witness is concrete evidence a person can check by hand: for the data rules (coverage, source,
 expert) one coordinate of the logical tensor that is wrong; for deadlock the cycle of messages
-that wait on each other; for memory the round, device and bytes over the limit.
+that wait on each other; for memory the round, device and bytes over the limit (one violation
+per kind of overflow, for the worst device, with the others counted and listed).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ RULE_TEXT = {
     "source": "every transfer reads what its sending device holds",
     "expert": "each expert has one owner per expert-data-parallel replica and only it receives",
     "deadlock": "every device runs its messages in an order with no cycle of waits",
-    "memory": "staging stays within the budget and live state within device memory",
+    "memory": "staging stays within the budget, state plus staging plus reserve within device "
+              "memory",
 }
 
 
@@ -27,8 +29,9 @@ class Violation:
 
     ``witness``: for coverage/source/expert, a coordinate in tensor ``key`` (``()`` for a
     scalar such as ``optimizer.step``); for deadlock, the messages of a wait cycle (or the one
-    left unmatched) as ``(round, index)`` pairs; for memory, ``(round, bytes, limit)``, or a
-    coordinate when one transfer declares the wrong byte count.
+    left unmatched) as ``(round, index)`` pairs; for memory, ``(round, bytes, limit)`` of the
+    worst device (``devices[0]``; the other devices over follow, truncated), or a coordinate
+    when one transfer declares the wrong byte count.
     """
 
     rule: str

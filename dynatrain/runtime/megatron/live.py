@@ -75,6 +75,7 @@ from ...planner.cost import H100, Topology
 from ...planner.pipeline import plan_transition
 from ...planner.serialize import plan_to_json
 from ..executor import SwitchAborted, switch
+from ..headroom import check_switch_headroom, job_cuda_device
 from .bridge import bind_state, extract_state, install_step
 from .job import (Builder, MegatronJob, Prepared, SwitchFailed, SwitchResult, Verifier, carried,
                   carry_into, parallel_kwargs)
@@ -124,6 +125,7 @@ class LiveSwitcher:
         self.budget_bytes, self.timeout, self.group = budget_bytes, timeout, group
         self.topology, self.init_kwargs = topology, dict(init_kwargs or {})
         self.check_transfers = check_transfers
+        self._cuda_device = job_cuda_device()  # here: the planning thread has its own device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynatrain-plan")
         self._pending: Future[Prepared] | None = None
         self._generation = 0  # the last switch announced in the rendezvous that this job saw
@@ -183,6 +185,8 @@ class LiveSwitcher:
         plan = plan_transition(src, dst, self.budget_bytes, self.topology)
         t1 = time.perf_counter()
         self.verify(plan, src, dst)
+        # Against what is free on the device now, not a topology figure (None: CPU, unchecked).
+        check_switch_headroom(plan, transition_views(src, dst)[1], self.device, self._cuda_device)
         t2 = time.perf_counter()
         doc = plan_to_json(plan)
         del doc["summary"]  # timings: the only part that differs between processes

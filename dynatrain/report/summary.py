@@ -122,14 +122,13 @@ def _memory_lines(switch: PlannedSwitch) -> list[str]:
     st = switch.plan.stats
     if "peak_live_bytes" not in st:
         return ["  memory  device memory not checked (the topology gives no memory_GB)"]
-    live, reserve = st["peak_live_bytes"], st.get("reserve_bytes", switch.reserve_bytes)
-    capacity = st.get("capacity_bytes", int((switch.topology.memory_GB or 0) * 1e9))
-    headroom = st.get("headroom_bytes", capacity - live - reserve)
-    reserve_text = (f" + reserve {format_bytes(reserve)} (--reserve)" if reserve else
-                    " + no reserve for activations, allocator and communicators (--reserve)")
-    return [f"  memory  peak {format_bytes(live)} per device while switching (source and "
-            f"destination state plus staging){reserve_text}; {format_bytes(capacity)} per "
-            f"device, headroom {format_bytes(headroom)}"]
+    live, reserve = st["peak_live_bytes"], st["reserve_bytes"]
+    reserve_text = (f" + reserve {format_bytes(reserve)} = {format_bytes(live + reserve)}"
+                    if reserve else " + no reserve for activations, allocator and "
+                    "communicators (--reserve)")
+    return [f"  memory  peak {format_bytes(live)} per device while switching (source + "
+            f"destination state + staging){reserve_text} of {format_bytes(st['capacity_bytes'])}"
+            f" device memory (headroom {format_bytes(st['headroom_bytes'])})"]
 
 
 def _time_lines(switch: PlannedSwitch) -> list[str]:

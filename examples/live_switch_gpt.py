@@ -1,14 +1,19 @@
-"""Live layout switches of a training tiny MoE GPT, through a simulated spot preemption.
+"""Live layout switches of a tiny GPT in training, through a simulated spot preemption.
 
     torchrun --nproc-per-node 8 --master-port 29533 examples/live_switch_gpt.py
 
-Eight processes (CPU with gloo, or GPUs with NCCL) train a 4-layer MoE GPT on synthetic data
-with a global batch of 24 sequences, and switch layouts live, without checkpoints:
+Eight processes (CPU with gloo, or GPUs with NCCL) train a 4-layer GPT (hidden 64, GQA,
+SwiGLU, RMSNorm, RoPE) on synthetic data, 24 sequences of 32 tokens per iteration, and switch
+layouts live, without checkpoints. ``--model moe`` (the default: 6 experts, top-2, in every
+layer) runs
 
-    iteration  0  TP2 DP4 EP4            8 processes
-    iteration  6  TP2 DP3 EP2            6 processes   spot preemption: gpu6-7 leave (spares)
-    iteration 12  TP2 PP2 DP2 EP2        8 processes   capacity is back: the spares join
-    iteration 18  TP1 DP8 EP4            8 processes
+    iterations  1-6   DP8 EP2               8 processes
+    iterations  7-12  PP2 DP3 EP3           6 processes   spot preemption: gpu6-7 leave (spares)
+    iterations 13-18  PP2 DP4 EP2 ETP2      8 processes   capacity is back: the spares join
+    iterations 19-24  DP8                   8 processes   reshape
+
+and ``--model dense`` TP2 DP4 -> PP2 DP3 (gpu6-7 leave) -> TP2 PP2 VPP2 DP2 (they join) ->
+PP4 DP2. MoE layouts keep TP1 (see ``SCHEDULES``).
 
 Each switch is planned and verified in the background two iterations ahead, then runs at the
 iteration boundary: every process of both layouts meets through a ``Rendezvous`` on torchrun's
@@ -21,29 +26,20 @@ the first layout only (a reference loss curve).
 The processes that leave idle as spares in ``LiveSwitcher.join`` until a switch takes them
 back; a process started later on another machine would do the same with a ``Rendezvous`` on
 the same store (see ``tests/test_live_world.py``).
+
+Every wait is bounded (``TIMEOUT``; a spare waits at most ``SPARE_TIMEOUT`` for a switch) and
+names the devices it waits for; a launch with another number of processes than 8 is refused at
+once, before torch and megatron load. Each process hides the warnings megatron-core and torch
+print on a machine without Transformer Engine or Apex (``quiet_library_warnings``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
-import time
-
-import torch
-import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import mcore_job  # noqa: E402  (imports megatron; the shim is applied per process below)
-
-from dynatrain.ir.layout import Layout  # noqa: E402
-from dynatrain.ir.loader import spec_from_dict  # noqa: E402
-from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous, SwitchFailed,  # noqa: E402
-                                        parallel_kwargs)
-from dynatrain.verify.check import check  # noqa: E402
+import warnings
+from collections.abc import Mapping
 
 BASE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             ffn_hidden_size=128, vocab_size=500, make_vocab_size_divisible_by=16,
@@ -68,8 +64,86 @@ SCHEDULES = {
         (18, "pp4-dp2", dict(pp=4), 8, "reshape"),
     ],
 }
+# Every layout's devices are node0:gpu0..: the launch must give the largest one, on one node.
+PROCESSES = max(k for schedule in SCHEDULES.values() for _, _, _, k, _ in schedule)
 ITERATIONS = 24
 PREPARE_AHEAD = 2  # plan and verify this many iterations before the switch
+TIMEOUT = 180.0  # seconds any wait for peers may take (group formation, a switch, a vote)
+SPARE_TIMEOUT = 600.0  # seconds a spare waits for a switch that takes it back
+EXIT_BAD_LAUNCH = 2  # dynatrain's status for bad input
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="moe")
+    ap.add_argument("--no-switch", action="store_true", help="stay in the first layout")
+    ap.add_argument("--global-batch", type=int, default=24)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--json", help="write the switch records here (rank 0 of the last layout)")
+    return ap.parse_args(argv)
+
+
+def launch_problem(env: Mapping[str, str]) -> str | None:
+    """Why this launch cannot run the example, in one line (None: it can).
+
+    The example needs ``PROCESSES`` processes on one node, started by torchrun (which sets
+    ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``); with fewer, the first group
+    would wait for processes that never come.
+    """
+    how = f"torchrun --nproc-per-node {PROCESSES} examples/live_switch_gpt.py"
+    if "LOCAL_RANK" not in env:
+        return f"live_switch_gpt.py needs {PROCESSES} processes started by torchrun: {how}"
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+        local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    except ValueError:
+        return f"live_switch_gpt.py: WORLD_SIZE/LOCAL_WORLD_SIZE are not integers; run {how}"
+    if world != PROCESSES:
+        return f"live_switch_gpt.py needs {PROCESSES} processes (got {world}): {how}"
+    if local != PROCESSES:
+        return (f"live_switch_gpt.py needs its {PROCESSES} processes on one node (got {local} "
+                f"per node): {how}")
+    return None
+
+
+def quiet_library_warnings() -> None:
+    """Hide, in this process, the warnings megatron-core 0.16.1 and torch print on a machine
+    without Transformer Engine or Apex (9 per process, two lines each): only these messages,
+    categories and modules; any other warning still shows."""
+    for message, category, module in (
+            ("Transformer Engine and Apex are not installed", UserWarning, r"megatron\.core\."),
+            ("Apex is not installed", UserWarning, r"megatron\.core\."),
+            ("full scope is deprecated", UserWarning, r"megatron\.core\.transformer\."),
+            (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
+             r"deprecated", FutureWarning, r"torch\.distributed\.")):
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    if (PROBLEM := launch_problem(os.environ)) is not None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line, not one per process
+            print(PROBLEM, file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_LAUNCH)
+    quiet_library_warnings()
+
+import datetime  # noqa: E402  (a wrong launch is refused before torch and megatron load)
+import json  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import mcore_job  # noqa: E402  (imports megatron; the shim is applied per process below)
+
+from dynatrain.ir.errors import DynatrainError  # noqa: E402
+from dynatrain.ir.layout import Layout  # noqa: E402
+from dynatrain.ir.loader import spec_from_dict  # noqa: E402
+from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous,  # noqa: E402
+                                        RendezvousTimeout, SwitchFailed, parallel_kwargs)
+from dynatrain.verify.check import check  # noqa: E402
 
 
 def spec(model: dict, name: str, parallel: dict, processes: int):
@@ -85,27 +159,23 @@ def label(s) -> str:
     return " ".join(parts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="moe")
-    ap.add_argument("--no-switch", action="store_true", help="stay in the first layout")
-    ap.add_argument("--global-batch", type=int, default=24)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--json", help="write the switch records here (rank 0 of the last layout)")
-    args = ap.parse_args()
-
+def main(args: argparse.Namespace) -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = f"node{os.environ.get('GROUP_RANK', '0')}:gpu{local_rank}"
     mcore_job.set_device(local_rank)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=300))
-    rdzv = Rendezvous(store, mcore_job.backend(), prefix="live-switch-gpt", timeout=180)
+                          is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT))
+    rdzv = Rendezvous(store, mcore_job.backend(), prefix="live-switch-gpt", timeout=TIMEOUT)
     model = MODELS[args.model]
     schedule = [(it, spec(model, n, p, k), why) for it, n, p, k, why in SCHEDULES[args.model]]
     if args.no_switch:
         schedule = schedule[:1]
-    with mcore_job.cpu_shim():
-        run(device, rdzv, schedule, args)
+    try:
+        with mcore_job.cpu_shim():
+            run(device, rdzv, schedule, args)
+    except DynatrainError as err:  # a peer missing or a switch that cannot roll back: one line
+        print(f"{device}: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
 
 
 def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
@@ -113,7 +183,7 @@ def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
 
     trainer = mcore_job.GlobalBatch(args.global_batch, args.seq, BASE["vocab_size"])
     first = schedule[0][1]
-    kw = dict(rendezvous=rdzv, timeout=180, init_kwargs=mcore_job.init_kwargs())
+    kw = dict(rendezvous=rdzv, timeout=TIMEOUT, init_kwargs=mcore_job.init_kwargs())
     job = None
     if device in Layout(first).devices:
         rdzv.form("start", Layout(first).devices, device)
@@ -130,7 +200,13 @@ def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
     t_step = time.perf_counter()
     while True:
         if job is None:  # a spare: wait until a switch takes this device (or the job ends)
-            result = sw.join()
+            try:
+                result = sw.join(timeout=SPARE_TIMEOUT)
+            except RendezvousTimeout as err:  # every layout's rank 0 (it announces) is gpu0
+                leader = Layout(first).devices[0]
+                raise RendezvousTimeout(f"a spare waited {SPARE_TIMEOUT:.0f} s for {leader} "
+                                        f"(the job's rank 0) to announce a switch: {err}",
+                                        (leader,)) from err
             if result is None:
                 return
             job = result.job
@@ -201,4 +277,4 @@ def report(sw: LiveSwitcher, result, why: str | None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

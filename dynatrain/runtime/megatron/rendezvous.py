@@ -14,22 +14,67 @@ cluster any TCPStore that outlives the processes. Everything dynatrain writes li
   never pickle, so a process reads nothing but data from the store).
 * ``vote(name, devices, device, outcome)`` is a commit vote through the store, not through a
   process group, so it still works while processes move between groups.
+
+Every wait is bounded (``timeout``, default the rendezvous's; only ``wait`` may be told to wait
+on, for a spare idling until a switch names it), logs who it still waits for to the
+``dynatrain.runtime`` logger every ``LOG_EVERY`` seconds, and on timeout raises
+``RendezvousTimeout`` naming the devices that did not come.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
+import math
 import time
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from ...ir.errors import DynatrainError
+from ...ir.errors import EXIT_ABORTED, DynatrainError
+
+log = logging.getLogger("dynatrain.runtime")
+LOG_EVERY = 5.0  # seconds between two "still waiting for ..." lines of one wait
 
 
 class RendezvousTimeout(DynatrainError):
-    """A wait on the rendezvous store did not complete in time."""
+    """A wait on the rendezvous store did not complete in time.
+
+    Attributes:
+        missing: the devices that did not come (empty when the waiter did not know who).
+    """
+
+    exit_code = EXIT_ABORTED  # peers did not come: whatever waited on them did not happen
+
+    def __init__(self, message: str, missing: Sequence[str] = ()) -> None:
+        self.missing = tuple(missing)
+        super().__init__(message)
+
+
+def _names(devices: Sequence[str], limit: int = 8) -> str:
+    more = f" and {len(devices) - limit} more" if len(devices) > limit else ""
+    return ", ".join(devices[:limit]) + more
+
+
+class _Waiting:
+    """Logs, at most every ``LOG_EVERY`` seconds, who a wait still waits for."""
+
+    def __init__(self, what: str, timeout: float) -> None:
+        self.what, self.timeout = what, timeout
+        self.start = self.next = time.monotonic()
+        self.next += LOG_EVERY
+
+    def due(self, now: float) -> bool:
+        return now >= self.next
+
+    def tick(self, missing: Sequence[str] = ()) -> None:
+        now = time.monotonic()
+        if self.due(now):
+            self.next = now + LOG_EVERY
+            limit = "" if math.isinf(self.timeout) else f" of {self.timeout:.0f} s"
+            who = f": still waiting for {_names(missing)}" if missing else ""
+            log.info("%s%s (%.0f s%s)", self.what, who, now - self.start, limit)
 
 
 class Rendezvous:
@@ -69,7 +114,7 @@ class Rendezvous:
 
         Raises:
             ValueError: ``device`` is not in ``devices``.
-            RuntimeError: (from torch) a peer did not arrive within the timeout.
+            RendezvousTimeout: some of ``devices`` did not arrive within the timeout (named).
         """
         if device not in devices:
             raise ValueError(f"{device} is not one of the {len(devices)} devices of group "
@@ -77,6 +122,10 @@ class Rendezvous:
         self.leave()
         td = datetime.timedelta(seconds=self.timeout)
         self.store.set_timeout(td)
+        # torch's own store barrier says how many are missing, not who: meet here first.
+        self.store.set(f"arrived/{name}/{device}", "1")
+        self._all(f"forming group {name!r}", [f"arrived/{name}/{d}" for d in devices],
+                  list(devices), self.timeout)
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{name}/", self.store),
                                 rank=list(devices).index(device), world_size=len(devices),
                                 timeout=td,
@@ -102,24 +151,51 @@ class Rendezvous:
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
     def wait(self, key: str, timeout: float | None = None, *,
-             unless: str | None = None, poll: float = 0.05) -> dict | None:
+             unless: str | None = None, poll: float = 0.05,
+             who: Sequence[str] = ()) -> dict | None:
         """The document under ``key`` once it exists; None if ``unless`` appears first.
 
-        Polls the store, from every millisecond up to every ``poll`` seconds.
+        Polls the store, from every millisecond up to every ``poll`` seconds. ``who``: the
+        devices expected to post ``key``, named in the log and the error.
 
         Raises:
-            RendezvousTimeout: neither appeared within ``timeout`` seconds (None: wait on).
+            RendezvousTimeout: neither appeared within ``timeout`` seconds (None: wait on,
+                e.g. a spare waiting for a switch that names it).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        limit = math.inf if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        waiting = _Waiting(f"waiting for {key!r}", limit)
         pause = 0.001
         while True:
             if self.store.check([key]):
                 return json.loads(self.store.get(key))
             if unless is not None and self.store.check([unless]):
                 return None
-            if deadline is not None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
+                by = f" (to be posted by {_names(who)})" if who else ""
                 raise RendezvousTimeout(f"{key!r} did not appear in the store within "
-                                        f"{timeout:.1f} s")
+                                        f"{limit:.1f} s{by}", who)
+            waiting.tick(who)
+            time.sleep(pause)
+            pause = min(pause * 2, poll)
+
+    def _all(self, what: str, keys: Sequence[str], devices: Sequence[str],
+             timeout: float, poll: float = 0.05) -> None:
+        """Wait until every key of ``keys`` (posted by ``devices``, in order) exists."""
+        deadline = time.monotonic() + timeout
+        waiting = _Waiting(what, timeout)
+        pause = 0.001
+        while not self.store.check(list(keys)):  # one request for all; names only when needed
+            now = time.monotonic()
+            if now > deadline or waiting.due(now):
+                missing = [d for k, d in zip(keys, devices) if not self.store.check([k])]
+                if not missing:
+                    return
+                if now > deadline:
+                    raise RendezvousTimeout(f"{what}: {len(missing)} of {len(devices)} "
+                                            f"device(s) did not come within {timeout:.1f} s: "
+                                            f"{_names(missing)}", missing)
+                waiting.tick(missing)
             time.sleep(pause)
             pause = min(pause * 2, poll)
 
@@ -132,17 +208,19 @@ class Rendezvous:
         """Post this process's ``outcome`` ("ok" or why not) and wait for every device's.
 
         Returns every device's outcome; None for a device that did not vote in time (then the
-        wait stopped at ``timeout``, default the rendezvous timeout).
+        wait stopped at ``timeout``, default the rendezvous timeout, and logged who is missing).
         """
         self.post(f"{name}/{device}", {"outcome": outcome})
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        keys = [f"{name}/{d}" for d in devices]
+        try:
+            self._all(f"vote {name!r}", keys, list(devices),
+                      self.timeout if timeout is None else timeout)
+        except RendezvousTimeout as err:
+            log.warning("%s", err)
         out: dict[str, str | None] = {}
-        for d in devices:
-            try:
-                doc = self.wait(f"{name}/{d}", max(deadline - time.monotonic(), 0.0))
-                out[d] = None if doc is None else str(doc["outcome"])
-            except RendezvousTimeout:
-                out[d] = None
+        for d, k in zip(devices, keys):
+            doc = self.read(k)
+            out[d] = None if doc is None else str(doc["outcome"])
         return out
 
 

@@ -15,10 +15,19 @@ from ...ir.state import transition_views, view_of
 from ..executor import process_devices, switch
 from .bridge import extract_state, install_state
 from .job import MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, parallel_kwargs
-from .rendezvous import Rendezvous
+from .rendezvous import Rendezvous, RendezvousTimeout
 
 if TYPE_CHECKING:
     from .live import LiveSwitcher
+
+
+def _no_votes(votes: dict[str, str | None], what: str, timeout: float) -> None:
+    """Raise naming every device whose vote did not come (its process died or hangs)."""
+    missing = [d for d, v in votes.items() if v is None]
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise RendezvousTimeout(f"no {what} vote within {timeout:.1f} s from "
+                                f"{', '.join(missing[:8])}{more}", missing)
 
 
 def _why(err: BaseException) -> str:
@@ -73,6 +82,7 @@ class WorldSwitch:
             if failure is not None:
                 raise failure
             assert prep is not None
+            _no_votes(votes, "plan", rdzv.timeout)
             if any(v != digest for v in votes.values()):
                 odd = {d: v for d, v in votes.items() if v != digest}
                 raise DynatrainError(f"{self.device}: the processes planned different switches "
@@ -94,6 +104,8 @@ class WorldSwitch:
             del dst_store
             votes = rdzv.vote(f"g{g}/commit", union, self.device, outcome)
             lap("commit_vote")
+            if outcome == "ok":
+                _no_votes(votes, "commit", rdzv.timeout)
             bad = {d: (v or "no vote") for d, v in votes.items() if v != "ok"}
             if bad:
                 d, why = ((self.device, outcome) if outcome != "ok"

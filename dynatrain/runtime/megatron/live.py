@@ -389,7 +389,8 @@ class LiveSwitcher:
                 prep, failure = self._prepare(src_spec, src, dst_spec, g), None
             except Exception as err:  # noqa: BLE001 — the switch still needs this process
                 prep, failure = None, err
-            go = rdzv.wait(f"go/{g}", left(), unless="closed")
+            # The source's leader (its first device) posts the go once its job agreed.
+            go = rdzv.wait(f"go/{g}", left(), unless="closed", who=src.devices[:1])
             if go is None:
                 return None
             self._watch = g + 1

@@ -18,6 +18,12 @@ GPUs). At every switch both ways are measured, side by side on the same state:
   job trained. Downtime = the ``switch`` call (slowest process); wall time = plan + verify +
   downtime.
 
+Next to the live downtime the table gives the downtime DynaTrain predicts for the switch
+(``dynatrain.planner.cost.predicted_downtime``: the wire model plus the fixed costs, on the
+``gloo-local`` preset under gloo, ``h100`` under NCCL) and what it models, the ``switch`` call
+(``live switch()``); the rest of the live downtime (forming groups and megatron's parallel
+state, building and installing the destination job) is outside every prediction.
+
 The two destination jobs are compared bit for bit; where they differ, the table says which one
 keeps megatron's invariant param == bf16(main param) (megatron-core 0.16.1's own reload breaks
 it into TP2·PP2·VPP2, warning "param range exceeds unpadded buffer ... data corruption").
@@ -49,6 +55,8 @@ import mcore_job  # noqa: E402
 
 from dynatrain.ir.layout import Layout  # noqa: E402
 from dynatrain.ir.state import view_of  # noqa: E402
+from dynatrain.planner.cost import PRESETS, predicted_downtime  # noqa: E402
+from dynatrain.planner.pipeline import plan_transition  # noqa: E402
 from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous, extract_state,  # noqa: E402
                                         install_state, parallel_kwargs)
 from dynatrain.verify.check import check  # noqa: E402
@@ -250,19 +258,39 @@ def run_model(model: str, args) -> list[dict]:
                     pass
                 p.join(timeout=5)
         n = len(example.SCHEDULES[model]) - 1
-        return [json.loads(store.get(f"bench/{model}/record/{k}")) for k in range(1, n + 1)]
+        recs = [json.loads(store.get(f"bench/{model}/record/{k}")) for k in range(1, n + 1)]
+    for rec, pred in zip(recs, predictions(model)):
+        rec.update(pred)
+    return recs
+
+
+def predictions(model: str) -> list[dict]:
+    """Each switch's predicted downtime, planned here as every process plans it
+    (``LiveSwitcher``'s default budget and topology), on this backend's preset."""
+    mdict = example.MODELS[model]
+    specs = [example.spec(mdict, n, p, k) for _, n, p, k, _ in example.SCHEDULES[model]]
+    topo = PRESETS["gloo-local" if mcore_job.backend() == "gloo" else "h100"]
+    out = []
+    for a, b in zip(specs, specs[1:]):
+        d = predicted_downtime(plan_transition(Layout(a), Layout(b), 2 << 30), topo)
+        out.append({"predicted_topology": topo.name, "predicted_downtime_s": d.total_seconds,
+                    "predicted_wire_s": d.wire_seconds, "predicted_fixed_s": d.fixed_seconds,
+                    "predicted_excludes": list(d.excludes())})
+    return out
 
 
 def table(model: str, recs: list[dict]) -> str:
     head = (f"{'switch':34s} {'procs':>5s} {'moved':>9s} {'ckpt':>9s} | {'live down':>9s} "
-            f"{'live wall':>9s} | {'save':>6s} {'regrp':>6s} {'build':>6s} {'load':>6s} "
+            f"{'switch()':>9s} {'predicted':>9s} {'live wall':>9s} | {'save':>6s} "
+            f"{'regrp':>6s} {'build':>6s} {'load':>6s} "
             f"{'ckpt down':>9s} | {'down x':>7s} {'wall x':>7s} exact")
     lines = [f"model: {model}", head, "-" * len(head)]
     for r in recs:
         lines.append(
             f"{r['switch']}: -> {r['to']:29s} {r['processes']:5d} "
             f"{r['bytes_moved'] / 2**20:7.2f}MB {r['checkpoint_bytes'] / 2**20:7.2f}MB | "
-            f"{r['live_downtime_s']:8.3f}s {r['live_wall_s']:8.3f}s | "
+            f"{r['live_downtime_s']:8.3f}s {r['live_exchange_s']:8.3f}s "
+            f"{r['predicted_downtime_s']:8.3f}s {r['live_wall_s']:8.3f}s | "
             f"{r['ckpt_save_s']:5.2f}s {r['ckpt_regroup_s']:5.2f}s {r['ckpt_build_s']:5.2f}s "
             f"{r['ckpt_load_s']:5.2f}s {r['ckpt_downtime_s']:8.3f}s | "
             f"{r['ckpt_downtime_s'] / r['live_downtime_s']:6.1f}x "
@@ -310,10 +338,16 @@ def main() -> None:
     wall = geomean([r["ckpt_downtime_s"] / r["live_wall_s"] for r in timed])
     out["downtime_ratio_geomean"], out["wall_ratio_geomean"] = down, wall
     out["all_bit_exact"] = all(r["bit_exact"] for r in all_recs)
+    pred = [r["predicted_downtime_s"] / r["live_exchange_s"] for r in all_recs]
+    out["predicted_over_switch_call_geomean"] = geomean(pred)
     out["wall_seconds"] = time.perf_counter() - t0
     print(f"checkpoint-based / live, geometric mean over the {len(timed)} switches megatron "
           f"could reload: downtime {down:.1f}x, wall time {wall:.1f}x; live == checkpoint "
           f"reload bit for bit: {sum(r['bit_exact'] for r in all_recs)} of {len(all_recs)}")
+    print(f"predicted downtime ({all_recs[0]['predicted_topology']}: wire + fixed) / measured "
+          f"switch() call: geometric mean {out['predicted_over_switch_call_geomean']:.2f}, "
+          f"range {min(pred):.2f}..{max(pred):.2f}; the live downtime adds what no prediction "
+          f"models (groups, megatron's parallel state, building the destination job)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

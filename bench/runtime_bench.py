@@ -26,6 +26,11 @@ optimizer state) then load into a fresh job of the destination layout, against D
 path on the same job: ``extract_state``, ``switch``, ``install_state`` into a fresh job; both
 destination jobs must agree bit for bit.
 
+Each case also prints the downtime DynaTrain predicts for its switch on the ``gloo-local``
+preset (``predicted_downtime``: wire model plus fixed costs, calibrated by
+``bench/calibrate_fixed_costs.py``) next to the measured one (the switch allocating its
+destination, as in the calibration), and the fixed parts the switch reports (setup, vote).
+
 Effective bandwidth is the bytes the plan moves between devices divided by wall seconds
 (barrier to barrier, best of the repeats). Run ``python bench/runtime_bench.py [--quick]``;
 it prints a table and writes ``bench/results/runtime_bench.json``.
@@ -57,6 +62,7 @@ import torch.multiprocessing as tmp
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import spec_from_dict
 from dynatrain.ir.state import StateView, transition_views
+from dynatrain.planner.cost import PRESETS, predicted_downtime
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Plan
 from dynatrain.runtime.executor import process_devices, switch
@@ -498,6 +504,8 @@ def _reduce(name: str, plan: Plan, results: list[dict]) -> dict[str, Any]:
     sw_cpu = [sum(v) for v in zip(*(r["switch_cpu"] for r in results))]
     cores = os.cpu_count() or 1
     raw_best = min(min(raw_sr), min(raw_b))
+    predicted = predicted_downtime(plan, PRESETS["gloo-local"])
+    reports = [r["report"] for r in results]
     raw_med = statistics.median(min(a, b) for a, b in zip(raw_sr, raw_b))
     return {
         "case": name, "src": plan.src_name, "dst": plan.dst_name,
@@ -534,6 +542,13 @@ def _reduce(name: str, plan: Plan, results: list[dict]) -> dict[str, Any]:
         "planned_peak_staging_bytes": plan.stats["peak_staging_bytes"],
         "budget_bytes": plan.budget_bytes,
         "switch_report_process0": results[0]["report"],
+        # Predicted (gloo-local preset) against measured downtime of the allocating switch;
+        # the measured fixed part as the calibration takes it: slowest setup, fastest vote.
+        "predicted_downtime": predicted.as_dict(),
+        "predicted_over_measured": predicted.total_seconds / min(sw_alloc),
+        "predicted_over_measured_median": predicted.total_seconds / statistics.median(sw_alloc),
+        "measured_fixed_seconds": (max(r["setup_seconds"] for r in reports)
+                                   + min(r["vote_seconds"] for r in reports)),
     }
 
 
@@ -550,7 +565,8 @@ def environment() -> dict[str, Any]:
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'case':<19} {'moved':>7} {'rnd':>3} {'raw s/r':>7} {'raw bat':>7} {'switch':>7} "
             f"{'ratio':>5} {'alloc':>5} {'switch s':>8} {'DCP s':>6} {'x DCP':>6} "
-            f"{'mcore s':>7} {'live s':>6} {'x mcore':>7} {'staging/budget':>15}")
+            f"{'mcore s':>7} {'live s':>6} {'x mcore':>7} {'staging/budget':>15} "
+            f"{'alloc s':>7} {'pred s':>6} {'fixed':>11}")
     lines = [head, "-" * len(head)]
     for r in rows:
         mc = (f"{r['megatron_seconds']:7.2f} {r['live_seconds']:6.2f} "
@@ -562,7 +578,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['switch_GBps']:5.2f}GB {r['switch_vs_raw_p2p_ratio']:4.2f}x "
             f"{r['switch_alloc_vs_raw_p2p_ratio']:4.2f}x {min(r['switch_seconds']):8.3f} "
             f"{r['dcp_seconds']:6.2f} {r['speedup_vs_dcp']:5.1f}x {mc} "
-            f"{r['peak_staging_bytes'] / MIB:5.1f}/{r['budget_bytes'] / MIB:.0f}MiB")
+            f"{r['peak_staging_bytes'] / MIB:5.1f}/{r['budget_bytes'] / MIB:.0f}MiB "
+            f"{min(r['switch_alloc_seconds']):7.3f} "
+            f"{r['predicted_downtime']['total_seconds']:6.3f} "
+            f"{r['measured_fixed_seconds']:.3f}/{r['predicted_downtime']['fixed_seconds']:.3f}")
     return "\n".join(lines)
 
 

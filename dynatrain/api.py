@@ -25,7 +25,7 @@ from .ir.layout import Layout
 from .ir.loader import load_spec, spec_from_dict, spec_to_dict
 from .ir.spec import LayoutSpec
 from .ir.units import parse_bytes
-from .planner.cost import Topology, load_topology
+from .planner.cost import Topology, load_topology, predicted_downtime
 from .planner.pipeline import plan_transition
 from .planner.plan import Plan
 from .planner.serialize import plan_from_json, plan_to_json
@@ -94,6 +94,8 @@ def plan(src: Any, dst: Any, *, budget: str | int = DEFAULT_BUDGET,
     reserve_bytes = _reserve(reserve)
     topo = _topology(topology)
     p = plan_transition(s, d, budget_bytes, topo, place=place)
+    # predicted_seconds stays the wire time the scheduler minimises; downtime adds fixed costs.
+    p.stats["predicted_downtime"] = predicted_downtime(p, topo).as_dict()
     report = _verify(p, s, d, topo, budget_bytes, reserve_bytes=reserve_bytes)
     _record(p, report)
     if not report.ok:

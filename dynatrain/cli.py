@@ -199,6 +199,7 @@ def _available_memory() -> int | None:
 def cmd_run_plan(args: argparse.Namespace) -> int:
     from .ir.state import transition_views
     from .api import plan as plan_switch
+    from .planner.cost import PRESETS, predicted_downtime
     from .ir.summary import bytes_by_kind
 
     if not 1 <= args.processes <= MAX_LOCAL_PROCESSES:
@@ -236,14 +237,18 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
     st = plan.stats
     lines = [f"{plan.src_name}  ->  {plan.dst_name}",
              f"  processes {len(devices)} local (gloo), one per device; seed {args.seed}"]
+    local = predicted_downtime(plan, PRESETS["gloo-local"])
     moved = sum(r["report"]["bytes_sent"] for r in results)
     seconds = max(r["seconds"] for r in results)
     peak = max(r["report"]["peak_staging_bytes"] for r in results)
     checked = sum(r["checked"] for r in results)
     lines += [
-        f"  moved     {format_bytes(moved)} in {len(plan.rounds)} round(s), "
-        f"{st['messages']} messages; {format_bytes(st['bytes_local'])} copied locally",
-        f"  time      {seconds:.3f} s (slowest process), {moved / seconds / 1e9:.2f} GB/s achieved",
+        f"  moved     {format_bytes(moved)} in {plural(len(plan.rounds), 'round')}, "
+        f"{plural(st['messages'], 'message')} between devices; "
+        f"{format_bytes(st['bytes_local'])} copied locally",
+        f"  time      {seconds:.3f} s (slowest process), {moved / seconds / 1e9:.2f} GB/s "
+        f"achieved; predicted ~{local.total_seconds:.3f} s on gloo-local (wire "
+        f"{local.wire_seconds:.3f} + fixed {local.fixed_seconds:.3f})",
         f"  staging   peak {format_bytes(peak)} per device (planned "
         f"{format_bytes(st['peak_staging_bytes'])}, budget {format_bytes(budget)})",
         f"  bit-exact: {'no' if errors else 'yes'} ({checked} destination tensors on "
@@ -303,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("src")
     pl.add_argument("dst")
     pl.add_argument("--budget", default="2GiB", help=BUDGET_HELP)
-    pl.add_argument("--topology", default="h100", help="h100, h800 or a topology YAML file")
+    pl.add_argument("--topology", default="h100",
+                    help="h100, h800, gloo-local or a topology YAML file")
     pl.add_argument("--json", metavar="FILE", help="write the plan and its summary as JSON")
     pl.add_argument("--text", metavar="FILE",
                     help="write every round, message and transfer as text ('-': stdout only)")
@@ -326,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--budget", help="staging memory per device to hold the plan to "
                                      "(default: the budget the plan declares)")
     ve.add_argument("--topology", default="h100",
-                    help="h100, h800 or a topology YAML file (device memory capacity)")
+                    help="h100, h800, gloo-local or a topology YAML file (device memory "
+                         "capacity)")
     ve.add_argument("--reserve", default="0", help=RESERVE_HELP)
     ve.set_defaults(func=cmd_verify)
     rp = sub.add_parser("run-plan", help="run a switch here: one CPU process per device, "

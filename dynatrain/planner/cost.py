@@ -1,9 +1,17 @@
-"""Topology and the alpha-beta cost model: predicted time per round and its lower bound.
+"""Topology, the alpha-beta wire model and the predicted downtime of a switch.
 
 A device has separate links inside its node (NVLink) and across nodes (its NIC), each with a
-per-direction bandwidth, plus local copy bandwidth for data that stays on the device. A round
-takes the latency plus the time of its busiest link; the lower bound of a whole plan is the same
-computed over all its bytes at once (no schedule can beat the busiest device's links).
+per-direction bandwidth, plus local copy bandwidth for data that stays on the device. In the
+wire model a round takes the latency plus the time of its busiest link; the lower bound of a
+whole plan is the same computed over all its bytes at once (no schedule can beat the busiest
+device's links). The scheduler optimises this wire time.
+
+A switch also pays costs that do not depend on its bytes: once per switch the runtime binds
+the storage, prepares the first round, meets at a start barrier (NCCL) and votes to commit;
+every round adds the runtime's own posting and synchronization. ``predicted_downtime`` adds
+these fixed costs (the topology's ``switch_fixed_s`` and ``round_fixed_us``) to the wire time.
+It predicts the executor's ``switch`` call; a live switch also forms process groups and builds
+the destination job, which no topology field models.
 """
 
 from __future__ import annotations
@@ -21,34 +29,81 @@ from .sources import node_of
 
 
 class Topology(BaseModel):
-    """Link speeds in GB/s (1e9 bytes per second, per direction) and latency in microseconds."""
+    """Link speeds, latency and a switch's fixed costs on one kind of cluster.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str = "h100-8xnvlink-8x400g"
+    Speeds are GB/s (1e9 bytes per second, per direction). Every number must be finite.
+
+    Attributes:
+        name: what summaries call it (a YAML file without ``name`` is named after the file).
+        intra_node_GBps / inter_node_GBps / local_copy_GBps: link and copy speeds.
+        latency_us: wire model, per round: launching the round and its first byte.
+        switch_fixed_s: once per switch, whatever it moves: binding storage and preparing the
+            first round, the start barrier (NCCL) and the commit vote (an all-gather).
+        round_fixed_us: per round, beyond ``latency_us``: the runtime posting the round's
+            operations and waiting for its slowest peer.
+        memory_GB: device memory that live state plus staging must fit in (None: unchecked).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    name: str = Field("h100-8xnvlink-8x400g", min_length=1)
     intra_node_GBps: float = Field(450.0, gt=0)  # NVLink 4: 900 GB/s bidirectional
     inter_node_GBps: float = Field(50.0, gt=0)  # one 400 Gb/s NIC per GPU
     local_copy_GBps: float = Field(1500.0, gt=0)  # device-to-device copy within HBM
-    latency_us: float = Field(20.0, ge=0)  # per round: launch + synchronization
-    # Device memory (GB) that live state plus staging must fit in; None leaves it unchecked.
+    latency_us: float = Field(20.0, ge=0)  # per round: launch + first byte
+    # NCCL fixed costs: assumed, not measured (no multi-GPU host has been lent to this work).
+    # Start barrier and vote on warm communicators take well under 1 ms each even at 128
+    # ranks; the host work before round 0 (binding, first round's views: thousands of
+    # transfers in Python) and the skew between processes at the vote are tens of ms.
+    switch_fixed_s: float = Field(0.05, ge=0)
+    # A round posts its few hundred wire pieces as one NCCL group from Python (~5 us each).
+    round_fixed_us: float = Field(1000.0, ge=0)
     memory_GB: float | None = Field(80.0, gt=0)
 
 
 H100 = Topology()
-PRESETS = {"h100": H100, "h800": Topology(name="h800-8xnvlink-8x400g", intra_node_GBps=200.0)}
+# gloo CPU processes on this machine (``dynatrain run-plan``), calibrated by
+# bench/calibrate_fixed_costs.py: 34 switches of 4 processes (tiny GPT and 4x/8x wider, 1 to
+# 410 rounds), the fastest of 2 repeats each, on this shared 2-core host. switch_fixed_s is
+# measured (median setup + vote); round_fixed_us and the link speed are fitted. Predicted over
+# measured downtime: median 1.00, 10-90% 0.44-1.59 (see bench/README.md). A round costs ~9 ms
+# here because 4 processes take turns on 2 cores at every round's synchronization. Loopback
+# TCP is one "node"; the fit cannot split network latency from the runtime's per-round cost,
+# so all of it is round_fixed_us. local_copy_GBps is assumed (one thread's memcpy; local
+# copies overlap the exchange).
+GLOO_LOCAL = Topology(name="gloo-local", intra_node_GBps=0.135, inter_node_GBps=0.135,
+                      local_copy_GBps=3.0, latency_us=0.0, switch_fixed_s=0.042,
+                      round_fixed_us=9000.0, memory_GB=None)
+PRESETS = {"h100": H100, "h800": Topology(name="h800-8xnvlink-8x400g", intra_node_GBps=200.0),
+           "gloo-local": GLOO_LOCAL}
 
 
 def load_topology(source: str) -> Topology:
-    """A preset name (h100, h800) or a YAML file with Topology's fields."""
+    """A preset name (``PRESETS``: h100, h800, gloo-local) or a YAML file of Topology's fields.
+
+    A file without ``name`` is named after the file (``mytopo.yaml`` -> ``mytopo``).
+
+    Raises:
+        SpecError: naming the field and the rule, for an unreadable file, an unknown field or
+            a value out of range (negative, zero speed, inf or nan).
+    """
     if source in PRESETS:
         return PRESETS[source]
+    names = ", ".join(PRESETS)
     try:
         raw = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
-        return Topology.model_validate(raw)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        raise SpecError("--topology", "must be h100, h800 or a readable YAML file", source) from None
+        raise SpecError("--topology", f"must be {names} or a readable YAML file",
+                        source) from None
+    if not isinstance(raw, dict):
+        raise SpecError("--topology", "must be a YAML mapping of topology fields", source)
+    if "name" not in raw:
+        raw = {**raw, "name": Path(source).stem}  # never the default preset's name
+    try:
+        return Topology.model_validate(raw)
     except ValidationError as err:
         e = err.errors(include_url=False)[0]
-        raise SpecError("topology." + ".".join(map(str, e["loc"])), e["msg"], e.get("input")) from None
+        field = "topology." + ".".join(map(str, e["loc"]))
+        raise SpecError(field, e["msg"], e.get("input")) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +153,81 @@ def lower_bound_seconds(plan: Plan, topo: Topology) -> float:
     per_dev = link_bytes(list(plan.messages()))
     busiest = max((lb.seconds(topo) for lb in per_dev.values()), default=0.0)
     return (topo.latency_us * 1e-6 if busiest else 0.0) + busiest
+
+
+@dataclass(frozen=True, slots=True)
+class Downtime:
+    """A switch's predicted downtime: the wire model plus the runtime's fixed costs.
+
+    Attributes:
+        topology: the topology's name.
+        rounds: the plan's rounds.
+        wire_seconds: ``predicted_seconds``: per round, latency plus its busiest link.
+        lower_bound_seconds: ``lower_bound_seconds``: no schedule's wire time is below it.
+        switch_fixed_seconds: ``switch_fixed_s``, once.
+        round_fixed_seconds: ``rounds`` times ``round_fixed_us``.
+        derived: the plan's derived kinds (their rebuild after the rounds is not modelled).
+    """
+
+    topology: str
+    rounds: int
+    wire_seconds: float
+    lower_bound_seconds: float
+    switch_fixed_seconds: float
+    round_fixed_seconds: float
+    derived: tuple[str, ...] = ()
+
+    @property
+    def fixed_seconds(self) -> float:
+        return self.switch_fixed_seconds + self.round_fixed_seconds
+
+    @property
+    def total_seconds(self) -> float:
+        return self.wire_seconds + self.fixed_seconds
+
+    def excludes(self) -> tuple[str, ...]:
+        """What the prediction leaves out: costs outside the executor's ``switch`` call."""
+        out = ("building the destination job", "forming process groups")
+        return out + (("deriving params",) if self.derived else ())
+
+    def describe(self) -> str:
+        """One line: wire, fixed parts and total, and what is excluded.
+
+        Example:
+            >>> predicted_downtime(plan, H100).describe()  # doctest: +SKIP
+            'wire 0.148 s on h100-8xnvlink-8x400g (bandwidth model; lower bound 0.144 s, \
+1.03x) + fixed ~0.057 s (setup, start barrier and commit vote 0.050 s; 7 round syncs \
+0.007 s) = ~0.205 s downtime predicted; excludes building the destination job, forming \
+process groups'
+        """
+        lb = self.lower_bound_seconds
+        ratio = self.wire_seconds / lb if lb > 0 else 1.0
+        return (f"wire {self.wire_seconds:.3f} s on {self.topology} (bandwidth model; lower "
+                f"bound {lb:.3f} s, {ratio:.2f}x) + fixed ~{self.fixed_seconds:.3f} s (setup, "
+                f"start barrier and commit vote {self.switch_fixed_seconds:.3f} s; "
+                f"{self.rounds} round syncs {self.round_fixed_seconds:.3f} s) = "
+                f"~{self.total_seconds:.3f} s downtime predicted; excludes "
+                + ", ".join(self.excludes()))
+
+    def as_dict(self) -> dict:
+        """Plain data for JSON summaries (seconds; ``excludes`` as a list)."""
+        return {"topology": self.topology, "rounds": self.rounds,
+                "wire_seconds": self.wire_seconds,
+                "lower_bound_seconds": self.lower_bound_seconds,
+                "switch_fixed_seconds": self.switch_fixed_seconds,
+                "round_fixed_seconds": self.round_fixed_seconds,
+                "fixed_seconds": self.fixed_seconds, "total_seconds": self.total_seconds,
+                "excludes": list(self.excludes())}
+
+
+def predicted_downtime(plan: Plan, topo: Topology) -> Downtime:
+    """The downtime ``plan`` is predicted to cost on ``topo``: wire time plus fixed costs.
+
+    Example:
+        >>> d = predicted_downtime(plan, PRESETS["gloo-local"])  # doctest: +SKIP
+        >>> d.total_seconds == d.wire_seconds + d.fixed_seconds  # doctest: +SKIP
+        True
+    """
+    n = len(plan.rounds)
+    return Downtime(topo.name, n, predicted_seconds(plan, topo), lower_bound_seconds(plan, topo),
+                    topo.switch_fixed_s, n * topo.round_fixed_us * 1e-6, plan.derived)

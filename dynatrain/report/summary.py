@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ..ir.layout import Layout
 from ..ir.units import format_bytes
+from ..planner.cost import predicted_downtime
 from ..planner.derive_cost import derived_param_gather
 
 if TYPE_CHECKING:
@@ -132,8 +133,4 @@ def _memory_lines(switch: PlannedSwitch) -> list[str]:
 
 
 def _time_lines(switch: PlannedSwitch) -> list[str]:
-    st = switch.plan.stats
-    ratio = (st["predicted_seconds"] / st["lower_bound_seconds"]
-             if st["lower_bound_seconds"] else 1.0)
-    return [f"  time    wire {st['predicted_seconds']:.3f} s on {st['topology']} (bandwidth "
-            f"model; lower bound {st['lower_bound_seconds']:.3f} s, {ratio:.2f}x)"]
+    return [f"  time    {predicted_downtime(switch.plan, switch.topology).describe()}"]

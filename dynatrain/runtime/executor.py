@@ -101,6 +101,9 @@ class RoundReport:
     staging_bytes: int  # bytes of this round's pieces that went through the staging arena
     planned_staging_bytes: int  # what the plan says this device stages in the round
     packed_ahead_bytes: int  # of staging_bytes, sends packed during the previous round
+    # Of seconds, the time blocked on the round's operations after posting them, copying
+    # locally and preparing the next round: the wire plus waiting for slower peers.
+    wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +124,20 @@ class SwitchReport:
     check_seconds: float  # comparing transfer fingerprints (check_transfers), else ~0
     vote_seconds: float
     total_seconds: float
+    # Fixed costs, paid once per switch whatever it moves (see ``as_dict``):
+    setup_seconds: float = 0.0  # from the call to the first round's exchange
+    start_barrier_seconds: float = 0.0  # of setup_seconds, the NCCL start barrier (0 on gloo)
 
     def as_dict(self) -> dict:
-        """Plain-data summary: totals, per-round lists and achieved bandwidth (GB/s = 1e9 B/s)."""
+        """Plain-data summary: totals, per-round lists and achieved bandwidth (GB/s = 1e9 B/s).
+
+        Time splits into ``setup_seconds`` (binding, source checksums, the destination
+        storage, the NCCL start barrier, preparing the first round), ``exchange_seconds`` (the
+        rounds; ``round_wait_seconds`` of it blocked on peers and the wire), ``derive_seconds``,
+        ``check_seconds`` and ``vote_seconds`` (the commit vote, including waiting for the
+        slowest process); ``fixed_seconds`` is setup plus vote. These parts add up to at most
+        ``total_seconds``: the rest is bookkeeping between them.
+        """
         sent = sum(r.bytes_sent for r in self.rounds)
         received = sum(r.bytes_received for r in self.rounds)
         seconds = sum(r.seconds for r in self.rounds)
@@ -150,6 +164,10 @@ class SwitchReport:
             "derive_seconds": self.derive_seconds,
             "check_seconds": self.check_seconds,
             "vote_seconds": self.vote_seconds,
+            "setup_seconds": self.setup_seconds,
+            "start_barrier_seconds": self.start_barrier_seconds,
+            "round_wait_seconds": sum(r.wait_seconds for r in self.rounds),
+            "fixed_seconds": self.setup_seconds + self.vote_seconds,
             "total_seconds": self.total_seconds,
             "per_round": [asdict(r) for r in self.rounds],
         }
@@ -235,13 +253,18 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         before = checksums(src_store) if verify_source and src_store is not None else None
         dst = _destination(dst_view, me, dst_store, on)
         grouped = posts_grouped(pg)
+        barrier_seconds = 0.0
         if grouped:  # NCCL: a group's first collective must involve all of its ranks, and a
             # round's batch may involve only some
             where.phase = "start barrier"
             ids = [on.index] if on.type == "cuda" and on.index is not None else None
+            t = time.perf_counter()
             _wait(dist.barrier(group=pg, async_op=True, device_ids=ids), timeout)
+            barrier_seconds = time.perf_counter() - t
+        first_round = [time.perf_counter()]  # set again when round 0's exchange starts
         reports = _run_rounds(plan, me, src_store, dst, pg, devices, timeout, where, on_round,
-                              arena, grouped)
+                              arena, grouped, first_round)
+        setup_seconds = first_round[0] - t_start
         where.round = None
         t = time.perf_counter()
         derive = (0, 0, 0)
@@ -292,7 +315,7 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     report = SwitchReport(device, me.index, me.src_rank, me.dst_rank, tuple(reports),
                           plan.budget_bytes, peak_staging, derive[0], derive[1], derive[2],
                           derive_seconds, check_seconds, time.perf_counter() - t,
-                          time.perf_counter() - t_start)
+                          time.perf_counter() - t_start, setup_seconds, barrier_seconds)
     out = report.as_dict()
     if me.index == 0:
         log.info("switch committed: %d rounds in %.3f s (%s); process 0 sent %s and received "
@@ -349,8 +372,10 @@ def _destination(view: StateView, me: "_Me", given: Storage | None,
 def _run_rounds(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
                 pg: dist.ProcessGroup, devices: tuple[str, ...], timeout: float,
                 where: "_Where", on_round: Callable[[int], None] | None,
-                arena: Arena, grouped: bool) -> list[RoundReport]:
-    """Every round in order; round ``i + 1`` is prepared while round ``i``'s transfers run."""
+                arena: Arena, grouped: bool, first_round: list[float]) -> list[RoundReport]:
+    """Every round in order; round ``i + 1`` is prepared while round ``i``'s transfers run.
+
+    ``first_round[0]`` is set to when round 0's exchange starts (the end of the setup)."""
     src_views = ByteViews(src) if src is not None else None
     dst_views = ByteViews(dst) if dst is not None else None
 
@@ -367,17 +392,27 @@ def _run_rounds(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
     progress = me.index == 0 and log.isEnabledFor(logging.INFO)
     moved = sum(m.nbytes for m in plan.messages() if not m.local) if progress else 0
     done = 0
-    t0 = time.perf_counter()
+    blocked = [0.0]  # seconds in the current round's waits
+
+    def timed_wait(w: dist.Work | None, timeout: float, deadline: float | None = None) -> None:
+        t = time.perf_counter()
+        try:
+            _wait(w, timeout, deadline)
+        finally:
+            blocked[0] += time.perf_counter() - t
+
+    t0 = first_round[0] = time.perf_counter()
     for i in range(n):
         work, nxt = nxt, None
         where.round, where.peer, where.phase = i, None, "exchange"
         if on_round is not None:
             on_round(i)
-        seconds, nxt = run_round(work, arena, pg, devices, timeout, where, _wait,
+        blocked[0] = 0.0
+        seconds, nxt = run_round(work, arena, pg, devices, timeout, where, timed_wait,
                                  (lambda: prepare(i + 1)) if i + 1 < n else None, grouped)
         reports.append(RoundReport(i, seconds, work.bytes_sent, work.bytes_received,
                                    work.bytes_local, work.staging, work.planned_staging,
-                                   work.packed_ahead))
+                                   work.packed_ahead, blocked[0]))
         if progress:
             done += sum(m.nbytes for m in plan.rounds[i].messages if not m.local)
             elapsed = time.perf_counter() - t0

@@ -141,6 +141,8 @@ import mcore_job  # noqa: E402  (imports megatron; the shim is applied per proce
 from dynatrain.ir.errors import DynatrainError  # noqa: E402
 from dynatrain.ir.layout import Layout  # noqa: E402
 from dynatrain.ir.loader import spec_from_dict  # noqa: E402
+from dynatrain.planner.cost import PRESETS, predicted_downtime  # noqa: E402
+from dynatrain.report.summary import plural  # noqa: E402
 from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous,  # noqa: E402
                                         RendezvousTimeout, SwitchFailed, parallel_kwargs)
 from dynatrain.verify.check import check  # noqa: E402
@@ -197,6 +199,7 @@ def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
         sw = LiveSwitcher(None, device, mcore_job.build_job, check, **kw)
     switch_at = {it: (s, why) for it, s, why in schedule[1:]}
     records: list[dict] = []
+    pending = None  # the switch being prepared (its plan predicts the exchange's downtime)
     t_step = time.perf_counter()
     while True:
         if job is None:  # a spare: wait until a switch takes this device (or the job ends)
@@ -218,7 +221,7 @@ def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
         if it == ITERATIONS:
             break
         if it + PREPARE_AHEAD in switch_at:
-            sw.prepare(switch_at[it + PREPARE_AHEAD][0])  # plans while the job trains
+            pending = sw.prepare(switch_at[it + PREPARE_AHEAD][0])  # plans while it trains
         if it in switch_at:
             why = switch_at.pop(it)[1]
             try:
@@ -232,7 +235,8 @@ def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
                 continue
             job = result.job
             if result.role != "left":  # a leaver has no group now: it goes idle as a spare
-                records.append(report(sw, result, why))
+                plan = pending.result().plan if pending is not None else None
+                records.append(report(sw, result, why, plan))
             t_step = time.perf_counter()
             continue
         loss = trainer.step(job)
@@ -250,8 +254,10 @@ def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
             json.dump(records, f, indent=1)
 
 
-def report(sw: LiveSwitcher, result, why: str | None) -> dict:
-    """Gather what the switch cost over the new layout's processes; its rank 0 prints it."""
+def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
+    """Gather what the switch cost over the new layout's processes; its rank 0 prints it, with
+    the downtime predicted for the plan's exchange (wire model plus the runtime's fixed costs:
+    gloo-local measured on a CPU machine, h100 for NCCL)."""
     s, r = result.seconds, result.report
     mine = torch.tensor([r["bytes_received"], r["bytes_local"], s["downtime"], s["exchange"],
                          s.get("plan", 0.0) + s.get("verify", 0.0), r["rounds"],
@@ -266,11 +272,15 @@ def report(sw: LiveSwitcher, result, why: str | None) -> dict:
            "bytes_local": int(t[:, 1].sum()), "downtime_s": float(t[:, 2].max()),
            "exchange_s": float(t[:, 3].max()), "plan_verify_s": float(t[:, 4].max()),
            "rounds": int(t[:, 5].max())}
+    if plan is not None:
+        topo = PRESETS["h100" if dist.get_backend() == "nccl" else "gloo-local"]
+        rec["predicted_exchange_s"] = predicted_downtime(plan, topo).total_seconds
     if sw.leader:
         note = f"  ({why})" if why else ""
         print(f"switch {rec['generation']} -> {label(sw.spec)} on {rec['processes']} processes"
               f"{note}: downtime {rec['downtime_s']:.2f} s (exchange {rec['exchange_s']:.3f} s"
-              f", {rec['rounds']} rounds), {rec['bytes_moved'] / 2**20:.2f} MiB moved + "
+              + (f", predicted {rec['predicted_exchange_s']:.3f} s" if plan is not None else "")
+              + f", {plural(rec['rounds'], 'round')}), {rec['bytes_moved'] / 2**20:.2f} MiB moved + "
               f"{rec['bytes_local'] / 2**20:.2f} MiB local, {rec['joined']} joined; planned and "
               f"verified in the background in {rec['plan_verify_s']:.2f} s", flush=True)
     return rec

@@ -82,7 +82,7 @@ def test_a_plan_cannot_raise_its_own_budget(tmp_path, capsys) -> None:
     assert _verify(tmp_path, doc) == 0  # within the 1 GiB the edited plan declares
     capsys.readouterr()
     assert _verify(tmp_path, doc, "--budget", "4KiB") == 1
-    assert "over the budget of 4096" in capsys.readouterr().out
+    assert "over the 4.0 KiB budget" in capsys.readouterr().out
 
 
 def test_prove_lists_each_lemma_and_exits_0(capsys) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from operator import le
+from typing import Any, NoReturn
 
 from ..ir.box import Box
-from ..ir.errors import DynatrainError
-from ..ir.slots import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot
+from ..ir.slots import FlatSlot, ParamSlot, Slot, StackSlot
+from ..ir.units import MAX_BYTES
+from . import plan_schema as schema
+from .gcpause import cycle_collector_paused
 from .plan import Message, Plan, Round, Transfer
+from .plan_schema import MAX_INT, TRANSFER_FIELDS, fail
 
 FORMAT = "dynatrain.plan/3"
 # /1 had no per-device order (read as the message order) and no embedded specs; /2 no
@@ -25,27 +29,8 @@ def _slot(s: Slot) -> list:
     return ["buffer", s.chunk, s.name]
 
 
-def _unslot(v: list) -> Slot:
-    if v[0] == "param":
-        return ParamSlot(int(v[1]), str(v[2]), tuple(int(x) for x in v[3]))
-    if v[0] == "flat":
-        return FlatSlot(int(v[1]), int(v[2]), str(v[3]), int(v[4]))
-    if v[0] == "buffer":
-        return BufferSlot(int(v[1]), str(v[2]))
-    if v[0] == "stack":
-        if not isinstance(v[2], list) or v[2][:1] not in (["param"], ["flat"]) or not (
-                isinstance(v[3], list)):
-            raise DynatrainError("plan: a stack slot's member must be a param or flat slot")
-        return StackSlot(_unslot(v[2]), int(v[1]), tuple(str(n) for n in v[3]))
-    raise DynatrainError(f"plan: unknown slot type {v[0]!r}")
-
-
 def _box(b: Box) -> list:
     return [list(b.lo), list(b.hi)]
-
-
-def _unbox(v: list) -> Box:
-    return Box(tuple(int(x) for x in v[0]), tuple(int(x) for x in v[1]))
 
 
 def plan_to_json(plan: Plan, src_spec: dict | None = None,
@@ -91,33 +76,230 @@ def plan_to_json(plan: Plan, src_spec: dict | None = None,
     return doc
 
 
-def plan_from_json(doc: dict[str, Any]) -> Plan:
-    """Read a plan back; raises ``DynatrainError`` on a document of another format."""
-    if not isinstance(doc, dict) or doc.get("format") not in READABLE:
-        raise DynatrainError(f"plan: not a {FORMAT} document")
-    try:
-        orders = doc.get("order") or [{}] * len(doc["rounds"])
-        if len(orders) != len(doc["rounds"]):
-            raise ValueError(f"{len(orders)} orders for {len(doc['rounds'])} rounds")
-        if doc["format"] == FORMAT:  # slots listed once, named by index
-            table = [_unslot(v) for v in doc["slots"]]
+def plan_from_json(doc: Any) -> Plan:
+    """Read a plan back from its JSON document (any of ``READABLE``), checking it strictly.
 
-            def unslot(v: Any) -> Slot:
-                if type(v) is not int or not 0 <= v < len(table):  # bool is no index
-                    raise ValueError(f"slot index {v!r} is not one of the {len(table)} slots")
-                return table[v]
-        else:  # /1 and /2 give each slot in place
-            unslot = _unslot
-        rounds = tuple(Round(tuple(Message(m["src_device"], m["dst_device"], tuple(
-            Transfer(str(t[0]), tuple(t[1]), _unbox(t[2]), int(t[3]), int(t[4]), unslot(t[5]),
-                     _unbox(t[6]), unslot(t[7]), _unbox(t[8]), int(t[9]))
-            for t in m["transfers"])) for m in r),
-            tuple((str(d), tuple(int(i) for i in ix)) for d, ix in sorted(o.items())))
-            for r, o in zip(doc["rounds"], orders))
-        plan = Plan(str(doc["src"]), str(doc["dst"]), tuple(doc["src_devices"]),
-                    tuple(doc["dst_devices"]), rounds, int(doc["budget_bytes"]),
-                    tuple(str(k) for k in doc.get("derived", ())))
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
-        raise DynatrainError(f"plan: malformed document ({err.__class__.__name__}: {err})") from None
-    plan.stats.update(doc.get("summary", {}))
+    Every field must have its exact JSON type and range (``plan_schema``); the reader also
+    guarantees what later code relies on to not crash (ranks, slot and message indices in
+    range, boxes of one rank with lo <= hi, senders among the source devices, receivers among
+    the destination's). Unknown keys are refused, not ignored: a misspelt ``budget_byte`` would
+    otherwise silently fall back to nothing. ``derived``, ``summary`` and the embedded specs may
+    be left out. ``order`` is required from /2 on (an empty list: every round in message
+    order), ``slots`` in /3; /1 has neither.
+
+    Raises:
+        PlanFormatError: naming the path of the first offending field and the rule.
+    """
+    if type(doc) is not dict:
+        fail("plan", f"must be a JSON object (a {FORMAT} document)", doc)
+    if "format" not in doc:
+        fail("plan.format", f"is missing; a plan document names its format ({FORMAT})")
+    fmt = doc["format"]
+    if type(fmt) is not str or fmt not in READABLE:
+        fail("plan.format", f"must be one of {', '.join(READABLE)}; not a {FORMAT} document",
+             fmt)
+    _check_keys(doc, fmt)
+    src_name = schema.need_type(doc["src"], str, "plan.src", "a string (the source's name)")
+    dst_name = schema.need_type(doc["dst"], str, "plan.dst", "a string (the destination's name)")
+    src_devices = schema.devices(doc["src_devices"], "plan.src_devices")
+    dst_devices = schema.devices(doc["dst_devices"], "plan.dst_devices")
+    budget = schema.need_int(doc["budget_bytes"], "plan.budget_bytes", "budget_bytes", 1,
+                             MAX_BYTES)
+    derived = schema.kinds(doc.get("derived", []), "plan.derived", "a derived kind")
+    stats = schema.summary(doc.get("summary", {}), "plan.summary")
+    rounds = schema.need_list(doc["rounds"], "plan.rounds", "rounds")
+    if fmt == "dynatrain.plan/1":  # no per-device order: each round runs in message order
+        orders: list = [{}] * len(rounds)
+    else:
+        orders = schema.need_list(doc["order"], "plan.order", "per-device orders, one per round")
+        if not orders:  # as in /1: every round runs in message order
+            orders = [{}] * len(rounds)
+        elif len(orders) != len(rounds):
+            fail("plan.order", f"must give one per-device order per round ({len(rounds)}), or "
+                               "none (every round in message order)", orders)
+    table = None
+    if fmt == FORMAT:  # slots listed once, named by index
+        table = [schema.slot(v, f"plan.slots[{i}]")
+                 for i, v in enumerate(schema.need_list(doc["slots"], "plan.slots", "slots"))]
+    reader = _Reader(src_devices, dst_devices, table)
+    with cycle_collector_paused():  # tens of thousands of acyclic records: nothing to collect
+        read = tuple(reader.round(r, o, i) for i, (r, o) in enumerate(zip(rounds, orders)))
+    plan = Plan(src_name, dst_name, src_devices, dst_devices, read, budget, derived)
+    plan.stats.update(stats)
     return plan
+
+
+_KEYS = ("format", "src", "dst", "src_devices", "dst_devices", "budget_bytes", "derived",
+         "summary", "order", "rounds", "slots", "src_spec", "dst_spec")
+_OPTIONAL = {"derived", "summary", "src_spec", "dst_spec"}
+_NOT_IN = {"dynatrain.plan/1": {"order", "slots"}, "dynatrain.plan/2": {"slots"}, FORMAT: set()}
+
+
+def _check_keys(doc: dict, fmt: str) -> None:
+    known = [k for k in _KEYS if k not in _NOT_IN[fmt]]
+    for k in doc:
+        if k not in known:
+            fail("plan", f"unknown key for {fmt}; the keys are {', '.join(known)}", k)
+    for k in known:
+        if k not in doc and k not in _OPTIONAL:
+            fail(f"plan.{k}", f"is missing; a {fmt} document needs it")
+    for side in ("src_spec", "dst_spec"):  # read by ``dynatrain verify`` (spec_from_dict)
+        if side in doc and type(doc[side]) is not dict:
+            fail(f"plan.{side}", "must be an object (a layout spec document)", doc[side])
+
+
+class _Reader:
+    """Builds rounds out of JSON, checking each record; boxes and kind tuples are interned.
+
+    The loop over transfers is the reader's whole cost (the 235B plan has ~67k): each record is
+    checked with type tests and C-level ``map``s only, and only one that fails them is walked
+    field by field to say where and why. Interning equal boxes also lets the verifier's
+    per-region memo (keyed by identity) hit across transfers cut from one region.
+    """
+
+    def __init__(self, src_devices: tuple[str, ...], dst_devices: tuple[str, ...],
+                 table: list[Slot] | None) -> None:
+        self.src_devices, self.dst_devices = src_devices, dst_devices
+        self.src_set, self.dst_set = frozenset(src_devices), frozenset(dst_devices)
+        self.table = table
+        self.boxes: dict[tuple[int, ...], Box] = {}
+        self.kinds: dict[tuple, tuple[str, ...]] = {}
+        self.inline: dict[int, Slot] = {}  # /1 and /2: the slot of each record, by identity
+
+    def round(self, r: Any, order: Any, i: int) -> Round:
+        field = f"plan.rounds[{i}]"
+        schema.need_list(r, field, "messages")
+        messages = tuple(self.message(m, f"{field}[{j}]") for j, m in enumerate(r))
+        return Round(messages, self.order(order, f"plan.order[{i}]", len(messages)))
+
+    def message(self, m: Any, field: str) -> Message:
+        schema.need_type(m, dict, field, "an object {src_device, dst_device, transfers}")
+        for k in m:
+            if k not in ("src_device", "dst_device", "transfers"):
+                fail(field, "unknown message key; the keys are src_device, dst_device, transfers",
+                     k)
+        for k in ("src_device", "dst_device", "transfers"):
+            if k not in m:
+                fail(f"{field}.{k}", "is missing; every message needs it")
+        src, dst = m["src_device"], m["dst_device"]
+        if type(src) is not str or src not in self.src_set:
+            fail(f"{field}.src_device", "must be one of plan.src_devices", src)
+        if type(dst) is not str or dst not in self.dst_set:
+            fail(f"{field}.dst_device", "must be one of plan.dst_devices", dst)
+        transfers = schema.need_list(m["transfers"], f"{field}.transfers", "transfers")
+        fast = self.transfer
+        out = []
+        for t in transfers:
+            x = fast(t)
+            if x is None:
+                self.explain(t, f"{field}.transfers[{len(out)}]")
+            out.append(x)
+        return Message(src, dst, tuple(out))
+
+    def transfer(self, t: Any) -> Transfer | None:
+        """The transfer a record stands for, or None if any check fails (``explain`` says
+        which). Must refuse whatever ``explain`` refuses.
+
+        One ``set(map(type, ...))`` over every integer of the record checks them all at C
+        speed; equal boxes and kind lists are built once.
+        """
+        if type(t) is not list or len(t) != 10:
+            return None
+        key, kinds, box, sr, dr, ss, sa, ds, da, nb = t
+        try:  # unpacking a non-pair, or hashing a list among the kinds: refused
+            (bl, bh), (al, ah), (dl, dh) = box, sa, da
+            if {type(box), type(sa), type(da), type(bl), type(bh), type(al), type(ah),
+                    type(dl), type(dh), type(kinds)} != _LIST:
+                return None
+            n = len(bl)
+            if not n == len(bh) == len(al) == len(ah) == len(dl) == len(dh):
+                return None
+            kb, ka, kd = (*bl, *bh), (*al, *ah), (*dl, *dh)
+            ints = (*kb, *ka, *kd, sr, dr, nb)
+            if set(map(type, ints)) != _INT or type(key) is not str:
+                return None
+            k = self.kinds.get(tuple(kinds))
+        except (TypeError, ValueError):
+            return None
+        if (min(ints) < 0 or max(ints) > MAX_INT or sr >= len(self.src_devices)
+                or dr >= len(self.dst_devices) or not all(map(le, kb[:n], kb[n:]))
+                or not all(map(le, ka[:n], ka[n:])) or not all(map(le, kd[:n], kd[n:]))):
+            return None
+        if k is None and (k := self._kinds(kinds)) is None:
+            return None
+        table = self.table
+        if table is not None:  # bool is no index
+            if type(ss) is not int or type(ds) is not int or not (
+                    0 <= ss < len(table) and 0 <= ds < len(table)):
+                return None
+            s_slot, d_slot = table[ss], table[ds]
+        else:  # /1 and /2 give each slot in place
+            s_slot, d_slot = self._inline_slot(ss), self._inline_slot(ds)
+            if s_slot is None or d_slot is None:
+                return None
+        boxes = self.boxes
+        b = boxes.get(kb) or boxes.setdefault(kb, Box(tuple(bl), tuple(bh)))
+        a = boxes.get(ka) or boxes.setdefault(ka, Box(tuple(al), tuple(ah)))
+        d = boxes.get(kd) or boxes.setdefault(kd, Box(tuple(dl), tuple(dh)))
+        return Transfer(key, k, b, sr, dr, s_slot, a, d_slot, d, nb)
+
+    def _kinds(self, kinds: list) -> tuple[str, ...] | None:
+        if not kinds or not all(type(x) is str and x in schema.KINDS for x in kinds):
+            return None
+        k = self.kinds[tuple(kinds)] = tuple(kinds)
+        return k
+
+    def _inline_slot(self, v: Any) -> Slot | None:
+        s = self.inline.get(id(v))
+        if s is None:
+            try:
+                s = schema.slot(v, "")
+            except schema.PlanFormatError:
+                return None
+            self.inline[id(v)] = s  # ``v`` lives in the document: its id stays unique
+        return s
+
+    def explain(self, t: Any, field: str) -> NoReturn:
+        """Raise for the first field of record ``t`` that breaks a rule."""
+        if type(t) is not list or len(t) != 10:
+            fail(field, f"a transfer must be a list of 10 fields [{', '.join(TRANSFER_FIELDS)}]",
+                 t)
+        schema.need_type(t[0], str, f"{field}[0]", "a string (the tensor's key)")
+        if not schema.kinds(t[1], f"{field}[1]"):
+            fail(f"{field}[1]", "kinds must list at least one state kind", t[1])
+        boxes = [schema.box(t[i], f"{field}[{i}]", TRANSFER_FIELDS[i]) for i in (2, 6, 8)]
+        schema.need_int(t[3], f"{field}[3]", "src_rank", 0, len(self.src_devices))
+        schema.need_int(t[4], f"{field}[4]", "dst_rank", 0, len(self.dst_devices))
+        for i in (5, 7):
+            if self.table is not None:
+                if type(t[i]) is not int or not 0 <= t[i] < len(self.table):
+                    fail(f"{field}[{i}]", f"{TRANSFER_FIELDS[i]} is a malformed slot reference: "
+                         f"must be an index into plan.slots, in [0, {len(self.table)})", t[i])
+            else:
+                schema.slot(t[i], f"{field}[{i}]")
+        schema.need_int(t[9], f"{field}[9]", "nbytes")
+        ranks = [len(b.lo) for b in boxes]
+        if len(set(ranks)) != 1:
+            fail(field, "box, src_anchor and dst_anchor must have one rank (they are regions of "
+                        f"one tensor; got {ranks[0]}, {ranks[1]} and {ranks[2]})")
+        fail(field, "is not a well-formed transfer")  # unreachable while both agree
+
+    def order(self, o: Any, field: str, n: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Per device, indices of the round's ``n`` messages."""
+        schema.need_type(o, dict, field, "an object of device -> message indices")
+        for d in o:
+            if type(d) is not str:
+                fail(field, "device names must be strings", d)
+        out = []
+        for d, ix in sorted(o.items()):
+            schema.need_list(ix, schema.key_field(field, d), "message indices")
+            if not set(map(type, ix)) <= _INT or ix and not (min(ix) >= 0 and max(ix) < n):
+                for j, i in enumerate(ix):
+                    schema.need_int(i, f"{schema.key_field(field, d)}[{j}]", "a message index",
+                                    0, n)
+            out.append((d, tuple(ix)))
+        return tuple(out)
+
+
+_INT = {int}
+_LIST = {list}

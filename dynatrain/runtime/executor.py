@@ -303,7 +303,7 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     try:
         flags = torch.zeros(len(devices), dtype=torch.int32, device=on)
         mine = torch.tensor([0 if problem else 1], dtype=torch.int32, device=on)
-        _wait(dist.all_gather_single(flags, mine, group=pg, async_op=True), timeout)
+        _wait(_all_gather(flags, mine, pg), timeout)
     except Exception as err:  # noqa: BLE001
         raise _abort(err, device, where, pg, destroy_group_on_abort) from err
     if int(flags.min()) != 1:  # the vote is the MIN of the flags
@@ -485,3 +485,11 @@ def _abort(err: Exception, device: str, where: _Where, pg: dist.ProcessGroup,
                          f"{type(err).__name__}: {first}; source untouched, {then}",
                          device=device, round_index=where.round, peer=where.peer,
                          group_destroyed=destroyed)
+
+
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, pg: dist.ProcessGroup):
+    """An async all-gather of ``mine`` into ``out``: torch 2.13 names it ``all_gather_single``
+    (deprecating ``all_gather_into_tensor``); torch 2.6-2.12, in GPU containers, has only
+    ``all_gather_into_tensor``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, mine, group=pg, async_op=True)

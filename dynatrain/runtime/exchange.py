@@ -12,6 +12,12 @@ usually far below it, and its pages are touched once per switch rather than once
 Sends packed ahead live in two more buffers (by round parity), used only while everything the
 process holds stays within what the plan says it stages in its busiest round.
 
+A round's staged sends, staged receives and local copies are each described once, when the
+round is prepared, as a ``CopyTable`` (a part per piece): on CUDA with Triton a whole-table run
+is a few kernel launches whatever the piece count; elsewhere a part runs as one ``copy_`` per
+merged pair of views. On CUDA the sends packed ahead are packed on a stream of the arena's own,
+and the round's posting waits for that stream's event (no host synchronisation).
+
 Local copies (device to itself) run in whichever round ``spread_local`` gives them. In a round
 a process posts every receive, posts its straight sends and the sends packed ahead, then packs
 and posts the rest piece by piece (the network moves a piece while the next is packed), copies
@@ -40,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..planner.plan import Message, Round, Transfer
+from .copytable import CopyTable
 from .storage import ByteViews, row_blocks
 
 DIRECT_MIN_BYTES = 256 << 10  # a segment this large is a piece of its own (straight from or
@@ -65,6 +72,8 @@ class Piece:
     direct: bool
     wire: torch.Tensor | None = None
     ahead: bool = False  # a staged send packed during the previous round
+    table: CopyTable | None = None  # the round's pack or unpack table (staged pieces)
+    part: int = -1  # this piece's part of ``table``
 
 
 @dataclass(slots=True)
@@ -83,10 +92,15 @@ class RoundWork:
     planned_staging: int  # the plan's staging for this process: its remote message bytes
     staging: int  # bytes of this round's pieces that go through the arena
     packed_ahead: int = 0  # of those, send bytes packed during the previous round
+    pack: CopyTable | None = None  # staged sends into the arena, a part per piece
+    unpack: CopyTable | None = None  # staged receives out of the arena, a part per piece
+    copies: CopyTable | None = None  # the local copies
+    send_region: torch.Tensor | None = None  # the arena bytes of the staged sends (bound by
+    recv_region: torch.Tensor | None = None  # Arena.carve/pack_ahead), and of the receives
+    packed: object = None  # CUDA: event recorded when the sends packed ahead are packed
 
     def local_views(self):
-        """(source, destination) byte views of the local copies, made when the round runs:
-        after its messages are posted, so building them overlaps the transfers."""
+        """(source, destination) byte views of the local copies."""
         for t in self.local:
             yield from zip(_segment_views(self.src, t, "src"), _segment_views(self.dst, t, "dst"))
 
@@ -209,8 +223,31 @@ def prepare_round(i: int, rnd: Round, device: str, src_rank: int | None, dst_ran
             raise ValueError(f"round {i} orders message {mi} ({m.src_device}->{m.dst_device}) "
                              f"on {device}, which is neither end")
     staging = sum(p.nbytes for p in recvs + sends if not p.direct)
-    return RoundWork(i, recvs, sends, local, src, dst, sent, received, n_local, sent + received,
+    work = RoundWork(i, recvs, sends, local, src, dst, sent, received, n_local, sent + received,
                      staging)
+    work.pack = _staging_table(sends, "send")
+    work.unpack = _staging_table(recvs, "recv")
+    work.copies = CopyTable([list(work.local_views())])
+    return work
+
+
+def _staging_table(pieces: list[Piece], side: str) -> CopyTable:
+    """The copies of the staged ``pieces`` to (sends) or from (receives) their arena bytes: a
+    part per piece, the pieces laid out one after the other as ``Arena`` places them."""
+    parts = []
+    for p in pieces:
+        if p.direct:
+            continue
+        p.part, off, part = len(parts), 0, []
+        for v in p.views:
+            part.append((v, off) if side == "send" else (off, v))
+            off += v.numel()
+        parts.append(part)
+    table = CopyTable(parts)
+    for p in pieces:
+        if not p.direct:
+            p.table = table
+    return table
 
 
 class Arena:
@@ -229,6 +266,9 @@ class Arena:
         self.buf = self._empty(0)
         self.ahead = [self._empty(0), self._empty(0)]
         self.peak = 0
+        # CUDA: sends are packed ahead on a stream of their own, so that packing round i + 1
+        # runs beside round i's transfers and unpacking (on the current stream).
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def _empty(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.uint8, device=self.device)
@@ -262,6 +302,13 @@ class Arena:
             elif not p.ahead:
                 p.wire = self.buf[off:off + p.nbytes]
                 off += p.nbytes
+        # The staged receives come first in buf, then the staged sends not packed ahead.
+        recv_bytes = sum(p.nbytes for p in work.recvs if not p.direct)
+        work.recv_region = self.buf[:recv_bytes]
+        if not work.packed_ahead:
+            work.send_region = self.buf[recv_bytes:need]
+        if work.packed is not None:  # posting this round's sends waits for their packing
+            torch.cuda.current_stream(self.device).wait_event(work.packed)
 
     def pack_ahead(self, work: RoundWork) -> int:
         """Pack the staged sends of ``work`` (the next round) now, if the budget allows.
@@ -285,13 +332,28 @@ class Arena:
         for p in staged:
             p.wire, p.ahead = self.ahead[k][off:off + p.nbytes], True
             off += p.nbytes
-            _pack(p)
+        work.send_region = self.ahead[k][:need]
+        if self.stream is None:
+            _pack_all(work)
+        else:
+            # The side stream first waits for the current one: the buffer's earlier users (the
+            # sends of two rounds back, waited for there) are done. The current stream waits
+            # for the event before it posts the round (carve), and the buffer is only freed
+            # after that, so the allocator never hands it out while the packing still runs.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                _pack_all(work)
+            work.packed = self.stream.record_event()
         work.packed_ahead = need
         return need
 
 
 def _pack(p: Piece) -> None:
-    off = 0
+    """Copy the views of staged send ``p`` into its wire (its part of the round's table)."""
+    if p.table is not None:
+        p.table.run(p.wire, part=p.part)
+        return
+    off = 0  # a piece made without a table (by hand, in tests)
     for v in p.views:
         n = v.numel()
         p.wire.narrow(0, off, n).view(v.shape).copy_(v)
@@ -299,11 +361,25 @@ def _pack(p: Piece) -> None:
 
 
 def _unpack(p: Piece) -> None:
+    """Copy staged receive ``p`` from its wire into its views."""
+    if p.table is not None:
+        p.table.run(p.wire, part=p.part)
+        return
     off = 0
     for v in p.views:
         n = v.numel()
         v.copy_(p.wire.narrow(0, off, n).view(v.shape))
         off += n
+
+
+def _pack_all(work: RoundWork) -> None:
+    """Pack every staged send of ``work`` (one table run: a few kernel launches on CUDA)."""
+    if work.pack is not None:
+        work.pack.run(work.send_region)
+    else:
+        for p in work.sends:
+            if not p.direct:
+                _pack(p)
 
 
 def posts_grouped(pg: dist.ProcessGroup) -> bool:
@@ -324,9 +400,8 @@ def _post_grouped(work: RoundWork, pg: dist.ProcessGroup, where
     order, so both ends post them in tag order, which both compute alike. They all carry tag
     0, so that gloo (in the tests) matches them by order too, as NCCL does."""
     where.phase = "pack"
-    for p in work.sends:
-        if not (p.direct or p.ahead):
-            _pack(p)
+    if not work.packed_ahead:
+        _pack_all(work)
     where.phase = "exchange"
     ops = [dist.P2POp(dist.irecv, p.wire, group=pg, tag=0, group_peer=p.peer)
            for p in sorted(work.recvs, key=lambda p: (p.peer, p.tag))]
@@ -364,8 +439,11 @@ def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tup
     arena.carve(work)
     works = _post_grouped(work, pg, where) if grouped else _post_each(work, pg, where)
     where.phase = "local copy"  # overlaps the exchange: no staging, no network
-    for s, d in work.local_views():
-        d.copy_(s)
+    if work.copies is not None:
+        work.copies.run()
+    else:
+        for s, d in work.local_views():
+            d.copy_(s)
     nxt = None
     if prepare_next is not None:
         where.phase = "prepare next round"
@@ -380,11 +458,16 @@ def run_round(work: RoundWork, arena: Arena, pg: dist.ProcessGroup, devices: tup
             where.phase, where.peer = "unpack", None
             _unpack(p)
     where.peer = None
-    if grouped:  # one group: its receives are all complete now
+    if grouped:  # one group: its receives are all complete now (on CUDA: the current
+        # stream waited for the group's NCCL stream in Work.wait, so the unpack runs after it)
         where.phase = "unpack"
-        for p in work.recvs:
-            if not p.direct:
-                _unpack(p)
+        if work.unpack is not None and work.unpack.kernel:
+            work.unpack.run(work.recv_region)  # one table run
+        else:
+            for p in work.recvs:
+                if not p.direct:
+                    _unpack(p)
     for p in work.recvs + work.sends:
         p.wire = None  # drop views of the arena before it may be replaced
+    work.send_region = work.recv_region = None
     return time.perf_counter() - t0, nxt

@@ -2,21 +2,37 @@
 
 The planner's plan is proven before it runs; this checks the run itself (packing, wire, unpacking,
 local copies, a corrupting link) inside the real job, where no reference state exists. Each
-transfer gets a fingerprint of its bytes (all its state kinds, in the plan's segment order) on
-the source, from the source storage, and on the destination, from the destination storage after
-the last round. One all-reduce gathers the source fingerprints (each transfer has one source,
-every other process adds zeros); each destination compares its own. A mismatch is voted, so the
-switch aborts everywhere with the source untouched.
+transfer gets a fingerprint of its bytes on the source, from the source storage, and on the
+destination, from the destination storage after the last round. One all-reduce gathers the
+source fingerprints (each transfer has one source, every other process adds zeros); each
+destination compares its own. A mismatch is voted, so the switch aborts everywhere with the
+source untouched.
 
-A transfer's bytes come as segments (one per state kind and stacked member, the same segments,
-in the same order and of the same sizes, on both ends: the wire pieces rely on it). A segment's
-bytes, padded to even length with a zero byte, are read as signed 16-bit words in the machine's
-byte order, ``w[0..m)``; its sums are ``a = sum w[i]`` and ``b = sum (i + 1) * w[i]``. The
-fingerprint of segments ``0..K`` is ``(sum a_k, sum (b_k + (k + 1) * a_k))`` modulo the prime
-``2**31 - 1``: a changed byte moves the first, displaced bytes or segments the second. It is
-computed per chunk of a segment as float64 sums and dot products (exact: every partial sum
-stays below 2**53), on the tensors' device, and reduced modulo the prime in int64. It detects
-accidents, not adversaries.
+Definition. A transfer's bytes come as segments (one per state kind and stacked member, the
+same segments, in the same order and of the same sizes, on both ends: the wire pieces rely on
+it). Concatenate them, each in the row-major order of its view, into one byte string
+``x[0..n)`` and read every byte as an unsigned integer 0..255. The fingerprint is::
+
+    (sum x[i], sum (i + 1) * x[i])  modulo the prime p = 2**31 - 1
+
+A changed byte moves the first sum (by 1..255, never a multiple of p); two different bytes that
+trade places, or a byte or segment moved by fewer than p positions, move the second. It detects
+accidents, not adversaries. Only the bytes and their order count: how a segment is laid out in
+memory, cut into segments or into tiles does not change the value.
+
+Computation: exact integer arithmetic, one read of every byte, no copy of a whole segment (a
+local segment can be a large share of a parameter, more than the staging budget). A segment's
+view is canonicalized (size-1 dims dropped, contiguous neighbours merged) into rows of
+``length`` contiguous bytes, row ``j`` holding positions ``start + j * length + [0, length)``;
+a contiguous run is read as rows of ``ROW_BYTES``. Each tile (a few rows by a few columns) gives
+its byte sum ``a``, ``u = sum_r r * rowsum_r`` and ``v = sum_c c * colsum_c`` (rows and columns
+counted from the tile's first byte, at position ``pos``), and so its share of the second sum,
+``(pos + 1) * a + length * u + v``: no per-byte positions, no float. On CUDA one Triton kernel
+per segment (a contiguous run: two) computes every tile's sums in one pass; torch's integer
+reductions would first write the bytes out as int32 or int64, several times the traffic.
+Elsewhere, and for views of more than three dims, torch computes the same sums per block of at
+most ``BLOCK_BYTES``. The tiles of every transfer a process sends or receives are reduced
+modulo p and summed per transfer at once, and read back with one host synchronisation.
 """
 
 from __future__ import annotations
@@ -26,67 +42,215 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+try:  # optional: without Triton the torch path computes the same values
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+
 from ..planner.plan import Plan, Transfer
-from .storage import ByteViews, row_blocks
+from .storage import ByteViews
 
 PRIME = (1 << 31) - 1
-CHUNK = 1 << 20  # bytes per dot product (even): 2**19 + 1 words of |w| <= 2**15 keep every
-# partial sum below 2**53
-_POSITIONS: dict[torch.device, torch.Tensor] = {}  # 0, 1, 2, ... as float64, per device
-
-
-def _positions(n: int, on: torch.device) -> torch.Tensor:
-    have = _POSITIONS.get(on)
-    if have is None or have.numel() < n:
-        have = _POSITIONS[on] = torch.arange(max(n, CHUNK // 2 + 1), dtype=torch.float64,
-                                             device=on)
-    return have[:n]
+# torch path: bytes cast to int32 at once (4x this in memory); 255 * 2**22 < 2**31 keeps every
+# row and column sum of a block exact in int32
+BLOCK_BYTES = 1 << 22
+ROW_BYTES = 1 << 10  # a contiguous run is read as rows of this many bytes
+TILE_BYTES = 1 << 14  # Triton: bytes per program (rows x columns, both powers of two)
+MAX_TILE_COLUMNS = 1 << 10
+_ARANGE: dict[torch.device, torch.Tensor] = {}  # 0, 1, 2, ... as int64, per device
 
 
 def fingerprint(views: list[torch.Tensor], on: torch.device) -> torch.Tensor:
-    """The fingerprint of segments ``views`` (uint8 views, in order), as int64 [2]."""
-    s1 = torch.zeros((), dtype=torch.int64, device=on)
-    s2 = torch.zeros((), dtype=torch.int64, device=on)
-    for k, v in enumerate(views):
-        a, b = _segment(v, on)
-        s1 = (s1 + a) % PRIME
-        s2 = (s2 + b + ((k + 1) % PRIME) * a) % PRIME
-    return torch.stack([s1, s2])
+    """The fingerprint of segments ``views`` (uint8 views, in order), as int64 [2].
+
+    Example:
+        >>> fingerprint([torch.tensor([1, 2], dtype=torch.uint8)], torch.device("cpu")).tolist()
+        [3, 5]
+    """
+    sums = _Sums(on)
+    sums.add(0, views)
+    return sums.total(1)[0]
 
 
-def _segment(v: torch.Tensor, on: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a, b) of one segment's bytes, each reduced modulo ``PRIME``."""
-    a = torch.zeros((), dtype=torch.int64, device=on)
-    b = torch.zeros((), dtype=torch.int64, device=on)
-    pos = 0  # index of the next word in the segment
-    carry = None  # a block's odd last byte, the first of the next word
-    # Block by block: a strided view is copied one block at a time, never whole (a local
-    # segment can be a large share of a parameter, more than the staging budget).
-    for x in (b.reshape(-1) for b in row_blocks(v, CHUNK)):
-        if carry is not None:
-            x = torch.cat([carry, x])
-        carry = x[-1:].clone() if x.numel() % 2 else None
-        if carry is not None:
-            x = x[:-1]
-        if x.data_ptr() % 2:  # words need an even address
-            x = x.clone()
-        a, b, pos = _fold(x, a, b, pos, on)
-    if carry is not None:  # the segment's odd last byte, padded with a zero byte
-        a, b, pos = _fold(torch.cat([carry, carry.new_zeros(1)]), a, b, pos, on)
-    return a, b
+class _Sums:
+    """Tile sums of many fingerprints, combined modulo p once for all of them.
+
+    A tile's row is ``(a, u, v, pos, pitch)``: its byte sum, ``sum_r r * rowsum_r`` and
+    ``sum_c c * colsum_c`` (rows and columns counted from the tile's first byte), that byte's
+    position in the transfer, and the distance in positions between the tile's rows."""
+
+    def __init__(self, on: torch.device) -> None:
+        self.on = on
+        self.parts: list[torch.Tensor] = []  # int64 [tiles, 5] each
+        self.owners: list[int] = []  # the fingerprint each part belongs to
+        self.counts: list[int] = []  # its number of tiles
+
+    def add(self, index: int, views: list[torch.Tensor]) -> None:
+        """Add the tiles of the segments ``views`` to fingerprint ``index``."""
+        start = 0  # position of the segment's first byte in the transfer
+        for v in views:
+            if v.numel():
+                for part in _segment(_canonical(v), start):
+                    self.parts.append(part)
+                    self.owners.append(index)
+                    self.counts.append(part.shape[0])
+            start += v.numel()
+
+    def total(self, n: int) -> torch.Tensor:
+        """Fingerprints ``0..n`` as int64 [n, 2] (zeros where none was added)."""
+        out = torch.zeros((n, 2), dtype=torch.int64, device=self.on)
+        if not self.parts:
+            return out
+        a, u, v, pos, pitch = (torch.cat([p.to(self.on) for p in self.parts]) % PRIME).unbind(1)
+        # a tile's share of sum (i + 1) x[i]: (pos + 1) a + pitch u + v, every product < 2**62
+        b = ((pos + 1) % PRIME * a % PRIME + pitch * u % PRIME + v) % PRIME
+        owner = torch.repeat_interleave(torch.tensor(self.owners),
+                                        torch.tensor(self.counts)).to(self.on)
+        out.index_add_(0, owner, torch.stack([a, b], 1))  # each < p: exact below 2**32 tiles
+        return out % PRIME
 
 
-def _fold(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pos: int, on: torch.device
-          ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Add the words of ``x`` (even length), which start at word ``pos``, to (a, b)."""
-    if not x.numel():
-        return a, b, pos
-    w = x.view(torch.int16).to(torch.float64)
-    c = w.sum().to(torch.int64) % PRIME
-    # sum over the block of (pos + j + 1) * w[j] = (pos + 1) * c + sum j * w[j]
-    cw = torch.dot(w, _positions(w.numel(), on)).to(torch.int64) % PRIME
-    return (a + c) % PRIME, (b + ((pos + 1) % PRIME) * c + cw) % PRIME, pos + w.numel()
+def _canonical(v: torch.Tensor) -> torch.Tensor:
+    """``v`` (same bytes, same row-major order) with size-1 dims dropped, neighbours that are
+    contiguous with each other merged, and a last dim of stride 1."""
+    shape: list[int] = []
+    strides: list[int] = []
+    for size, stride in zip(v.shape, v.stride()):
+        if size == 1:
+            continue
+        if shape and strides[-1] == size * stride:
+            shape[-1] *= size
+            strides[-1] = stride
+        else:
+            shape.append(size)
+            strides.append(stride)
+    if not shape or strides[-1] != 1:  # single bytes as rows of length 1
+        shape.append(1)
+        strides.append(1)
+    return v.as_strided(shape, strides, v.storage_offset())
 
+
+def _segment(x: torch.Tensor, start: int) -> Iterator[torch.Tensor]:
+    """Tile sums of canonical view ``x``, whose first byte sits at ``start``."""
+    if triton is not None and x.dim() <= 3 and _on_triton(x):
+        yield from _triton_tiles(x, start)
+        return
+    for block, pos, pitch in _blocks(x, start):
+        yield _torch_tile(block, pos, pitch)
+
+
+def _on_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel reads ``x`` (tests run it on CPU under TRITON_INTERPRET=1)."""
+    return x.is_cuda
+
+
+# ----- torch: blocks of at most BLOCK_BYTES, each copied to int32 --------------------------------
+
+def _blocks(x: torch.Tensor, pos: int) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """``x`` cut into (block, position of its first byte, logical distance between its rows):
+    a few large blocks, never a loop over rows unless a row exceeds ``BLOCK_BYTES``."""
+    if x.dim() == 1:  # a contiguous run: rows of ROW_BYTES, then the rest
+        n = x.numel()
+        body = n - n % ROW_BYTES
+        step = max(ROW_BYTES, BLOCK_BYTES - BLOCK_BYTES % ROW_BYTES)
+        for s in range(0, body, step):
+            yield x[s:min(body, s + step)].view(-1, ROW_BYTES), pos + s, ROW_BYTES
+        if body < n:
+            yield x[body:].view(1, -1), pos + body, n - body
+        return
+    if x.numel() <= BLOCK_BYTES:
+        yield x, pos, x.shape[-1]
+        return
+    slab = x[0].numel()
+    if slab > BLOCK_BYTES:  # each slab on its own (a few: each is more than a block)
+        for i in range(x.shape[0]):
+            yield from _blocks(x[i], pos + i * slab)
+        return
+    k = BLOCK_BYTES // slab
+    for i in range(0, x.shape[0], k):
+        yield x[i:i + k], pos + i * slab, x.shape[-1]
+
+
+def _torch_tile(block: torch.Tensor, pos: int, pitch: int) -> torch.Tensor:
+    """Tile sums of one block (rows ``pitch`` positions apart) as int64 [1, 5]."""
+    width = block.shape[-1]
+    # at most 4 * BLOCK_BYTES; row-major even where the view's strides are permuted
+    y = block.to(torch.int32, memory_format=torch.contiguous_format).view(-1, width)
+    rows = y.sum(1, dtype=torch.int32).to(torch.int64)  # int32 in: no hidden cast copy
+    cols = y.sum(0, dtype=torch.int32).to(torch.int64)
+    u = (rows * _arange(rows.numel(), rows.device)).sum()  # < 2**8 * 2**22 * 2**22
+    v = (cols * _arange(width, cols.device)).sum()
+    return torch.stack([rows.sum(), u, v, rows.new_tensor(pos), rows.new_tensor(pitch)])[None]
+
+
+def _arange(n: int, on: torch.device) -> torch.Tensor:
+    have = _ARANGE.get(on)
+    if have is None or have.numel() < n:
+        have = _ARANGE[on] = torch.arange(max(n, ROW_BYTES), dtype=torch.int64, device=on)
+    return have[:n]
+
+
+# ----- Triton: one kernel per segment, one read of every byte ----------------------------------
+
+def _triton_tiles(x: torch.Tensor, start: int) -> Iterator[torch.Tensor]:
+    """Tile sums of canonical ``x`` (1 to 3 dims), int64 [tiles, 5] per kernel launch: one, or
+    for a contiguous run two (its rows of ``ROW_BYTES``, then the short rest)."""
+    if x.dim() == 1:
+        n = x.numel()
+        body = n - n % ROW_BYTES
+        if body:
+            yield _launch(x, start, body // ROW_BYTES, 1, ROW_BYTES, 0, ROW_BYTES)
+        if body < n:
+            yield _launch(x[body:], start + body, 1, 1, ROW_BYTES, 0, n - body)
+    elif x.dim() == 2:
+        yield _launch(x, start, x.shape[0], 1, x.stride(0), 0, x.shape[1])
+    else:
+        yield _launch(x, start, x.shape[0] * x.shape[1], x.shape[1], x.stride(0),
+                      x.stride(1), x.shape[2])
+
+
+def _launch(x: torch.Tensor, start: int, rows: int, inner: int, s_outer: int,
+            s_inner: int, length: int) -> torch.Tensor:
+    # Triton specializes arguments equal to 1 and multiples of 16: a 2-D view with 16-byte
+    # aligned rows (the usual bf16/fp32 box) is read in 16-byte loads.
+    columns = min(MAX_TILE_COLUMNS, max(16, 1 << (length - 1).bit_length()))
+    col_tiles = -(-length // columns)
+    tiles = -(-rows // (TILE_BYTES // columns)) * col_tiles
+    out = torch.empty((tiles, 5), dtype=torch.int64, device=x.device)
+    _tile_sums[(tiles,)](x, out, rows, inner, s_outer, s_inner, length, start, col_tiles,
+                         BR=TILE_BYTES // columns, BC=columns)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _tile_sums(x_ptr, out_ptr, rows, inner, s_outer, s_inner, length, start, col_tiles,
+                   BR: tl.constexpr, BC: tl.constexpr):
+        # Row j of the view starts at (j // inner) * s_outer + (j % inner) * s_inner and holds
+        # logical positions start + j * length + [0, length). Modular reduction is left to the
+        # caller, once for all tiles: here only one read and integer sums.
+        pid = tl.program_id(0)
+        row0 = (pid // col_tiles).to(tl.int64) * BR
+        col0 = (pid % col_tiles).to(tl.int64) * BC
+        r = tl.arange(0, BR)
+        c = tl.arange(0, BC)
+        j = row0 + r
+        offsets = (j // inner) * s_outer + (j % inner) * s_inner
+        k = col0 + c
+        mask = (j[:, None] < rows) & (k[None, :] < length)
+        x = tl.load(x_ptr + offsets[:, None] + k[None, :], mask=mask, other=0).to(tl.int32)
+        row_sums = tl.sum(x, axis=1)  # <= 255 * BC
+        col_sums = tl.sum(x, axis=0)  # <= 255 * BR
+        out = out_ptr + pid.to(tl.int64) * 5
+        tl.store(out, tl.sum(row_sums.to(tl.int64), axis=0))
+        tl.store(out + 1, tl.sum(row_sums.to(tl.int64) * r, axis=0))
+        tl.store(out + 2, tl.sum(col_sums.to(tl.int64) * c, axis=0))
+        tl.store(out + 3, start + row0 * length + col0)  # the tile's first byte
+        tl.store(out + 4, col0 - col0 + length)  # int64, even where length is the constant 1
+
+
+# ----- the check of a switch -------------------------------------------------------------------
 
 def _transfers(plan: Plan) -> Iterator[tuple[int, str, str, Transfer]]:
     """(index, source device, destination device, transfer) in plan order: the same on every
@@ -100,28 +264,35 @@ def _transfers(plan: Plan) -> Iterator[tuple[int, str, str, Transfer]]:
 
 
 def compare_transfers(plan: Plan, device: str, src: ByteViews | None, dst: ByteViews | None,
-                    pg: dist.ProcessGroup, on: torch.device, timeout: float,
-                    wait: Callable) -> list[str]:
+                      pg: dist.ProcessGroup, on: torch.device, timeout: float,
+                      wait: Callable) -> list[str]:
     """Compare every transfer this device received with what its source sent.
 
-    Every process of the switch calls it after the last round (it runs one all-reduce).
-    Returns one line per transfer that differs (empty: all arrived intact)."""
-    n = sum(len(m.transfers) for rnd in plan.rounds for m in rnd.messages)
-    table = torch.zeros((max(n, 1), 2), dtype=torch.int64, device=on)
-    mine: list[tuple[int, Transfer, torch.Tensor]] = []
+    Every process of the switch calls it after the last round (it runs one all-reduce). The
+    fingerprints of all transfers this device sends or receives are reduced together and read
+    back once.
+
+    Returns:
+        One line per transfer that differs (empty: all arrived intact).
+    """
+    n = max(1, sum(len(m.transfers) for rnd in plan.rounds for m in rnd.messages))
+    sums = _Sums(on)
+    mine: list[tuple[int, Transfer]] = []  # received: fingerprint n + i is mine[i]'s
     for k, src_device, dst_device, t in _transfers(plan):
         if src_device == device:
-            table[k] = fingerprint(src(t.kinds, t.src_slot, t.src_anchor, t.box), on)
+            sums.add(k, src(t.kinds, t.src_slot, t.src_anchor, t.box))
         if dst_device == device:
-            mine.append((k, t, fingerprint(dst(t.kinds, t.dst_slot, t.dst_anchor, t.box), on)))
+            sums.add(n + len(mine), dst(t.kinds, t.dst_slot, t.dst_anchor, t.box))
+            mine.append((k, t))
+    both = sums.total(n + len(mine))
+    table = both[:n].contiguous()
     wait(dist.all_reduce(table, group=pg, async_op=True), timeout)
     if not mine:
         return []
-    got = torch.stack([f for _, _, f in mine])
-    differs = (got != table[[k for k, _, _ in mine]]).any(1).tolist()
+    differs = (both[n:] != table[[k for k, _ in mine]]).any(1).tolist()
     return [f"transfer {k} ({'+'.join(t.kinds)} of {_name(t.dst_slot)} {list(t.box.lo)}.."
             f"{list(t.box.hi)} from source rank {t.src_rank}) differs at destination rank "
-            f"{t.dst_rank}" for (k, t, _), bad in zip(mine, differs) if bad]
+            f"{t.dst_rank}" for (k, t), bad in zip(mine, differs) if bad]
 
 
 def _name(slot) -> str:

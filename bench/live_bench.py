@@ -44,6 +44,12 @@ import tempfile
 import time
 import traceback
 
+# The processes are forked from this one, and CUDA cannot be used after a fork once the parent
+# touched it (importing megatron does). One process per GPU is needed for NCCL, so unless asked
+# for it, GPUs are hidden before torch loads and the run is on CPU with gloo.
+if "--nccl" not in sys.argv:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
@@ -318,6 +324,9 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=24)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--nccl", action="store_true",
+                    help="run on 8 GPUs with NCCL (needs 8 visible GPUs); default: CPU with gloo, "
+                         "GPUs hidden")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "live_bench.json"))
     args = ap.parse_args()
     models = ["moe", "dense"] if args.model == "both" else [args.model]

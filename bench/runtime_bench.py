@@ -55,9 +55,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as tmp
+# A CPU benchmark under gloo whose workers are forked: run as a script, it hides GPUs before torch
+# loads, so that nothing (megatron's import, DCP) initialises CUDA in the parent and breaks the
+# forks. (pack_bench imports this module for its cases and keeps its GPU.)
+if __name__ == "__main__":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as tmp  # noqa: E402
 
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import spec_from_dict

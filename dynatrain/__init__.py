@@ -4,16 +4,19 @@ The public API (see ``dynatrain.api`` for an example)::
 
     load_layout(spec)                 a layout from a spec file, document or LayoutSpec
     plan(src, dst, budget="2GiB")     plan and verify a switch -> PlannedSwitch
+                                      (failed="node3": only from surviving devices)
     verify_switch(switch)             the CLI's checks again -> VerifyReport
     summarize(switch)                 the summary `dynatrain plan` prints
     save_plan(switch, path)           plan JSON with both specs embedded
     load_plan(path)                   read it back -> PlannedSwitch (unverified)
+    suggest(src, devices)             layouts that fit these devices, ranked by switch time
     run_local(switch)                 run a small switch here, checked bit for bit (torch)
     LiveSwitcher                      switch a running Megatron job (torch, megatron-core)
     parse_bytes("2GiB")               sizes in any unit
 
 Errors: ``DynatrainError`` (``exit_code`` 2, bad input), ``VerificationError`` (1),
-``SwitchAborted`` (4, source state intact).
+``StateLost`` (3, ``.lost`` names what no surviving device holds), ``SwitchAborted`` (4,
+source state intact).
 """
 
 from __future__ import annotations
@@ -21,16 +24,19 @@ from __future__ import annotations
 from typing import Any
 
 # (``verify_switch``, not ``verify``: that name is the ``dynatrain.verify`` subpackage's.)
-from .api import (PlannedSwitch, load_layout, load_plan, plan, run_local, save_plan, summarize,
-                  verify_switch)
+from .api import (PlannedSwitch, load_layout, load_plan, plan, run_local, save_plan, suggest,
+                  summarize, verify_switch)
 from .ir.errors import DynatrainError, SpecError
 from .ir.layout import Layout
 from .ir.units import parse_bytes
+from .planner.lost import LostState, StateLost, expand_failed
 from .verify.report import VerificationError, VerifyReport
 
-__all__ = ["DynatrainError", "Layout", "LiveSwitcher", "PlannedSwitch", "SpecError",
-           "SwitchAborted", "VerificationError", "VerifyReport", "load_layout", "load_plan",
-           "parse_bytes", "plan", "run_local", "save_plan", "summarize", "verify_switch"]
+__all__ = ["DynatrainError", "Layout", "LiveSwitcher", "LostState", "PlannedSwitch", "SpecError",
+           "StateLost", "SwitchAborted", "VerificationError", "VerifyReport", "expand_failed",
+           "load_layout", "load_plan",
+           "parse_bytes", "plan", "run_local", "save_plan", "suggest", "summarize",
+           "verify_switch"]
 
 
 def __getattr__(name: str) -> Any:

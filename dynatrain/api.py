@@ -9,8 +9,9 @@
     >>> dt.verify_switch(dt.load_plan("plan.json")).ok
     True
 
-``run_local`` runs a small switch here (one CPU process per device, gloo); ``LiveSwitcher``
-switches a running Megatron job. Both need torch and are imported only when used.
+``suggest`` ranks the layouts that fit a set of devices. ``run_local`` runs a small switch
+here (one CPU process per device, gloo); ``LiveSwitcher`` switches a running Megatron job. Both
+need torch and are imported only when used.
 """
 
 from __future__ import annotations
@@ -77,23 +78,33 @@ def _topology(topology: str | Topology | None) -> Topology | None:
 
 def plan(src: Any, dst: Any, *, budget: str | int = DEFAULT_BUDGET,
          topology: str | Topology = "h100", place: str = "naive",
-         reserve: str | int = 0) -> PlannedSwitch:
+         reserve: str | int = 0, failed: str | Any = (),
+         allow_lost: bool = False) -> PlannedSwitch:
     """Plan and verify the switch from ``src`` to ``dst`` (layouts, spec paths or documents).
 
     ``budget``: staging memory per device, in any unit ("2GiB", "512MiB", or bytes as an int).
     ``reserve``: device memory the job needs besides its state (activations, allocator cache,
     communicator buffers), counted by the memory check. ``place="auto"`` chooses which device
-    runs each destination rank to move the fewest bytes.
+    runs each destination rank to move the fewest bytes. ``failed``: source devices that are
+    gone without notice (a list, or text such as ``"node3,node5:gpu2"``; a node means all its
+    devices): the plan takes everything from surviving holders.
 
     Raises:
+        StateLost: some state the destination needs has no surviving copy (``.lost`` names
+            every tensor, kind and range); with ``allow_lost`` the plan moves what survives
+            instead and ``stats["lost"]`` holds the report.
         VerificationError: the plan breaks a rule (it is never returned).
         DynatrainError: bad input (names the field).
     """
+    from .planner.lost import expand_failed
+
     s, d = load_layout(src), load_layout(dst)
     budget_bytes = parse_bytes(budget, "budget")
     reserve_bytes = _reserve(reserve)
     topo = _topology(topology)
-    p = plan_transition(s, d, budget_bytes, topo, place=place)
+    gone = expand_failed(failed, s.devices) if failed else frozenset()
+    p = plan_transition(s, d, budget_bytes, topo, place=place, failed=gone,
+                        allow_lost=allow_lost)
     # predicted_seconds stays the wire time the scheduler minimises; downtime adds fixed costs.
     p.stats["predicted_downtime"] = predicted_downtime(p, topo).as_dict()
     report = _verify(p, s, d, topo, budget_bytes, reserve_bytes=reserve_bytes)
@@ -183,6 +194,24 @@ def run_local(switch: PlannedSwitch, *, seed: int = 0, timeout: float = 60.0,
     sv, dv = transition_views(switch.src, switch.dst)
     return _run(switch.plan, sv, dv, seed=seed, timeout=timeout, progress=progress,
                 check_transfers=check_transfers)
+
+
+def suggest(src: Any, devices: str | list[str], *, reserve: str | int = 0, top: int = 5,
+            topology: str | Topology = "h100", budget: str | int = DEFAULT_BUDGET,
+            failed: Any = ()):
+    """The layouts of ``src``'s model that fit ``devices`` (a list, or text such as
+    ``"node0:gpu0-5,node1"``), state plus ``reserve`` within device memory, ranked by the
+    predicted downtime of switching to them from ``src`` (``Suggestions``; ``.ranked[0]`` is
+    the best, ``.to_text()`` the table). ``failed``: source devices that are gone (their
+    state is taken from survivors; each suggestion says what no survivor holds)."""
+    from .planner.suggest import parse_devices
+    from .planner.suggest import suggest as _suggest
+
+    layout = load_layout(src)
+    devs = parse_devices(devices, layout.spec) if isinstance(devices, str) else list(devices)
+    return _suggest(layout, devs, reserve_bytes=_reserve(reserve), top=top,
+                    topology=_topology(topology), budget_bytes=parse_bytes(budget, "budget"),
+                    failed=tuple(failed))
 
 
 def _reserve(reserve: str | int) -> int:

@@ -109,12 +109,31 @@ def _reserve(text: str) -> int:
     return 0 if text.strip() == "0" else parse_bytes(text, "--reserve")
 
 
+def _failed(text: str | None, spec_path: str):
+    """``--failed`` as the set of source devices it names (a node: all its devices)."""
+    if text is None:
+        return frozenset()
+    from .planner.lost import expand_failed
+
+    return expand_failed(text, Layout(load_spec(spec_path)).devices)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .api import plan
     from .report.summary import summary_lines
 
-    switch = plan(args.src, args.dst, budget=parse_bytes(args.budget, "--budget"),
-                  topology=args.topology, place=args.place, reserve=_reserve(args.reserve))
+    from .planner.lost import StateLost
+
+    try:
+        switch = plan(args.src, args.dst, budget=parse_bytes(args.budget, "--budget"),
+                      topology=args.topology, place=args.place, reserve=_reserve(args.reserve),
+                      failed=_failed(args.failed, args.src), allow_lost=args.allow_lost)
+    except StateLost as lost:  # name every tensor, kind and range no survivor holds; exit 3
+        print(lost.lost.to_text())
+        if args.json:
+            _write(args.json, json.dumps({"format": "dynatrain.lost/1",
+                                          "lost": lost.lost.to_json()}) + "\n", "--json")
+        raise
     if args.dot:  # refuse a plan too large to draw, or a bad path, before writing anything
         from .report.dot import check_dot_path, check_dot_size
 
@@ -269,6 +288,23 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def cmd_suggest(args: argparse.Namespace) -> int:
+    from .planner.cost import load_topology
+    from .planner.lost import expand_failed
+    from .planner.suggest import parse_devices, suggest
+
+    spec = load_spec(args.spec)
+    devices = parse_devices(args.devices, spec)
+    failed = sorted(expand_failed(args.failed, Layout(spec).devices)) if args.failed else ()
+    out = suggest(spec, devices, top=args.top, topology=load_topology(args.topology),
+                  reserve_bytes=_reserve(args.reserve),
+                  budget_bytes=parse_bytes(args.budget, "--budget"), failed=failed)
+    print(out.to_text())
+    if args.json:
+        _write(args.json, json.dumps(out.to_json(), indent=1) + "\n", "--json")
+    return 0
+
+
 def cmd_prove(args: argparse.Namespace) -> int:
     from .verify.lemmas import LEMMAS, prove
 
@@ -323,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--per-device", action="store_true",
                     help="also print every device's traffic per link")
     pl.add_argument("--reserve", default="0", help=RESERVE_HELP)
+    pl.add_argument("--failed", metavar="DEVICES",
+                    help="source devices or nodes that died, e.g. node3,node5:gpu2: plan only "
+                         "from surviving holders; what no survivor holds is named, exit 3")
+    pl.add_argument("--allow-lost", action="store_true",
+                    help="with --failed: plan what survives and record what is lost in the "
+                         "plan, instead of exiting 3")
     pl.set_defaults(func=cmd_plan)
     ve = sub.add_parser("verify", help="re-verify a saved plan (exit 1 if it breaks a rule)")
     ve.add_argument("plan", metavar="PLAN.json")
@@ -355,6 +397,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "destination with its source's before committing (the check a real "
                          "job can run without a reference state)")
     rp.set_defaults(func=cmd_run_plan)
+    su = sub.add_parser("suggest", help="list the layouts of a spec's model that fit a set of "
+                                         "devices, ranked by predicted switch time")
+    su.add_argument("spec", help="the current layout")
+    su.add_argument("--devices", required=True,
+                    help="the devices to run on, e.g. node0:gpu0-5,node1 (a node: all its GPUs)")
+    su.add_argument("--reserve", default="0", help=RESERVE_HELP)
+    su.add_argument("--top", type=int, default=5,
+                    help="plan this many best candidates by bytes to move, rank by time")
+    su.add_argument("--budget", default="2GiB", help=BUDGET_HELP)
+    su.add_argument("--topology", default="h100",
+                    help="h100, h800, gloo-local or a topology YAML file")
+    su.add_argument("--failed", help="source devices or nodes that failed, e.g. node3,node5:gpu2")
+    su.add_argument("--json", metavar="FILE", help="write the ranked layouts with their specs")
+    su.set_defaults(func=cmd_suggest)
     pr = sub.add_parser("prove", help="prove with z3 the region arithmetic plans rely on")
     pr.add_argument("lemma", nargs="*", help="lemma names (default: all)")
     pr.set_defaults(func=cmd_prove)

@@ -88,3 +88,44 @@ def test_import_dynatrain_needs_no_torch() -> None:
             "assert callable(dynatrain.plan) and dynatrain.verify_switch; "
             "import dynatrain.verify.check")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_suggest_from_python_and_the_cli(tmp_path, capsys) -> None:
+    spec = "specs/llama3.1-8b/tp2-dp4.yaml"
+    six = [f"node0:gpu{i}" for i in range(6)]
+    got = dt.suggest(spec, "node0:gpu0-5", top=2)
+    assert got.ranked and all(tuple(dt.load_layout(s.spec).devices) == tuple(six)
+                              for s in got.ranked)
+    times = [s.predicted_seconds for s in got.ranked]
+    assert times == sorted(times)
+    assert main(["suggest", spec, "--devices", "node0:gpu0-5", "--top", "2", "--json",
+                 str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert got.ranked[0].grid in out
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert len(doc["suggestions"]) == len(got.ranked)
+    assert main(["suggest", spec, "--devices", "gpu0-5"]) == 2  # no node named
+    assert capsys.readouterr().err.startswith("dynatrain: error: --devices")
+
+
+def test_plan_from_survivors_names_what_is_lost(tmp_path, capsys) -> None:
+    dst96 = "specs/llama3.1-70b/tp8-pp4-dp3-96gpu.yaml"
+    out = tmp_path / "lost.json"
+    # node15 dies: its DistributedOptimizer shards have no other copy.
+    assert main(["plan", SRC, dst96, "--failed", "node15", "--json", str(out)]) == 3
+    text, err = capsys.readouterr()
+    assert "failed devices: node15:gpu0" in text and "[main_param, exp_avg, exp_avg_sq]" in text
+    assert err.count("\n") == 1 and err.startswith("dynatrain: error: state lost: 6 tensors")
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "dynatrain.lost/1"
+    with pytest.raises(dt.StateLost) as info:
+        dt.plan(SRC, dst96, failed="node15")
+    assert info.value.exit_code == 3
+    assert info.value.lost.to_json() == doc["lost"]  # the CLI and the API name the same loss
+    # --allow-lost: plan what survives, verified, nothing read from node15, the loss recorded.
+    switch = dt.plan(SRC, dst96, failed=["node15:gpu%d" % i for i in range(8)], allow_lost=True)
+    assert switch.report.ok and switch.stats["lost"] == doc["lost"]
+    assert not any(m.src_device.startswith("node15:") for m in switch.plan.messages())
+    assert "lost    state lost: 6 tensors" in dt.summarize(switch)
+    assert main(["plan", SRC, dst96, "--failed", "node99"]) == 2  # not a device of the job
+    assert capsys.readouterr().err.startswith("dynatrain: error: --failed")

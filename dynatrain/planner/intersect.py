@@ -20,6 +20,7 @@ from ..ir.box import Box
 from ..ir.errors import DynatrainError
 from ..ir.slots import Slot
 from ..ir.state import StateView, Stored
+from .lost import subtract
 
 
 class PlanError(DynatrainError):
@@ -49,9 +50,15 @@ class Answer:
 
 @dataclass(frozen=True)
 class Intersection:
-    """Per destination rank, the answers for everything it must hold (tuples shared by class)."""
+    """Per destination rank, the answers for everything it must hold (tuples shared by class).
+
+    ``lost``: with failed source ranks, the pieces (key, kinds, box) of destination entries
+    that no surviving rank holds; they are left out of the answers' parts. Pieces repeat
+    where destination ranks need the same state.
+    """
 
     per_rank: tuple[tuple[tuple[Answer, ...], ...], ...]
+    lost: tuple[tuple[str, tuple[str, ...], Box], ...] = ()
 
     def answers(self, rank: int):
         for group in self.per_rank[rank]:
@@ -128,23 +135,33 @@ def _parts_by_rank(view: StateView) -> dict[int, tuple[tuple[Stored, ...], list[
     return parts
 
 
-def build_index(view: StateView) -> dict[tuple[str, tuple[str, ...]], _Index]:
-    """Source index: (key, kinds held together) -> distinct boxes with their holders."""
+def build_index(view: StateView, primary: bool = True
+                ) -> dict[tuple[str, tuple[str, ...]], _Index]:
+    """Source index: (key, kinds held together) -> distinct boxes with their holders.
+
+    ``primary=False`` indexes the tied copies instead (the last stage's output layer, which
+    duplicates the first stage's embedding and its optimizer state).
+    """
     entries: dict[tuple[str, tuple[str, ...]], dict[Box, list[Holders]]] = defaultdict(
         lambda: defaultdict(list))
     for part, ranks in _parts_by_rank(view).values():
         holders_ranks = tuple(ranks)
         for s in part:
-            if s.primary:  # a tied copy duplicates the first stage's data under other bounds
+            if s.primary == primary:  # a tied copy duplicates the first stage's data
                 entries[(s.key, s.kinds)][s.box].append(Holders(holders_ranks, s.slot, s.box))
     return {k: _Index(v) for k, v in entries.items()}
 
 
-def intersect(src: StateView, dst: StateView, derived: tuple[str, ...] = ()) -> Intersection:
+def intersect(src: StateView, dst: StateView, derived: tuple[str, ...] = (),
+              failed: frozenset[int] = frozenset()) -> Intersection:
     """Cut every destination box by the source boxes; raise if anything is not covered.
 
     Kinds in ``derived`` are rebuilt by the destination itself and are not asked for.
+    Source ranks in ``failed`` hold nothing: parts only they hold are taken from a tied copy
+    if one survives, else recorded in ``Intersection.lost`` and left out.
     """
+    if failed:
+        return _intersect_survivors(src, dst, derived, failed)
     index = build_index(src)
     group_of: dict[tuple[str, str], tuple[str, ...]] = {}
     for key, kinds in index:
@@ -187,3 +204,81 @@ def _answer(part: tuple[Stored, ...], index: dict[tuple[str, tuple[str, ...]], _
                                 f"layout holds {covered} of its {s.box.numel} elements")
             out.append(Answer(s, tuple(sub), tuple(parts)))
     return tuple(out)
+
+
+def _intersect_survivors(src: StateView, dst: StateView, derived: tuple[str, ...],
+                         failed: frozenset[int]) -> Intersection:
+    """``intersect`` when some source ranks failed: the same cuts, survivors only."""
+    index = build_index(src)
+    group_of = {(key, k): kinds for key, kinds in index for k in kinds}
+    alive = _Survivors(failed)
+    tied: list = []  # the tied-copy index, built the first time a part has no survivor
+    lost: list[tuple[str, tuple[str, ...], Box]] = []
+    answered: dict[int, tuple[tuple[Stored, ...], tuple[Answer, ...]]] = {}
+    per_rank = []
+    for rank in range(dst.layout.world):
+        groups = []
+        for part in dst.parts(rank):
+            got = answered.get(id(part))
+            if got is None:
+                full = _answer(part, index, group_of, rank, derived)  # raises if uncovered
+                got = answered[id(part)] = (part, tuple(
+                    _surviving(a, alive, src, tied, lost) for a in full))
+            groups.append(got[1])
+        per_rank.append(tuple(groups))
+    return Intersection(tuple(per_rank), tuple(lost))
+
+
+class _Survivors:
+    """Holders with the failed ranks taken out, memoized per holder tuple (shared by parts)."""
+
+    def __init__(self, failed: frozenset[int]) -> None:
+        self.failed = failed
+        self.one: dict[int, tuple[Holders, Holders | None]] = {}
+        self.many: dict[int, tuple[tuple[Holders, ...], tuple[Holders, ...]]] = {}
+
+    def __call__(self, holders: tuple[Holders, ...]) -> tuple[Holders, ...]:
+        hit = self.many.get(id(holders))
+        if hit is None:  # the key tuple rides along to keep its id from being reused
+            kept = tuple(h for h in map(self._holder, holders) if h is not None)
+            hit = self.many[id(holders)] = (holders, kept)
+        return hit[1]
+
+    def _holder(self, h: Holders) -> Holders | None:
+        hit = self.one.get(id(h))
+        if hit is None:
+            ranks = tuple(r for r in h.ranks if r not in self.failed)
+            same = len(ranks) == len(h.ranks)
+            hit = self.one[id(h)] = (h, h if same else Holders(ranks, h.slot, h.anchor)
+                                     if ranks else None)
+        return hit[1]
+
+
+def _surviving(a: Answer, alive: _Survivors, src: StateView, tied: list,
+               lost: list[tuple[str, tuple[str, ...], Box]]) -> Answer:
+    """``a`` with each part taken from survivors: its primary holders, else a surviving tied
+    copy; what neither has goes to ``lost``."""
+    parts: list[Part] = []
+    key, kinds = a.entry.key, a.kinds
+    changed = False
+    for box, holders in a.parts:
+        kept = alive(holders)
+        if kept:
+            changed |= kept is not holders
+            parts.append((box, kept))
+            continue
+        changed = True
+        if not tied:
+            index = build_index(src, primary=False)
+            tied.append((index, {(key_, k): g for key_, g in index for k in g}))
+        index, group_of = tied[0]
+        g = group_of.get((key, kinds[0]))
+        rest = [box]
+        if g is not None and set(kinds) <= set(g):
+            for sub, copy_holders in index[(key, g)].query(box):
+                kept = alive(copy_holders)
+                if kept:
+                    parts.append((sub, kept))
+                    rest = [p for r in rest for p in subtract(r, sub)]
+        lost.extend((key, kinds, r) for r in rest)
+    return Answer(a.entry, kinds, tuple(parts)) if changed else a

@@ -17,6 +17,7 @@ from ..ir.state import StateView, transition_views
 from .cost import H100, Topology, lower_bound_seconds, predicted_seconds
 from .gcpause import cycle_collector_paused
 from .intersect import Intersection, PlanError, intersect
+from .lost import StateLost, check_failed, lost_state
 from .place import auto_place
 from .plan import Plan
 from .schedule import check_budget, coalesce, peak_staging, schedule_rounds
@@ -42,14 +43,24 @@ def check_compatible(src: StateView, dst: StateView) -> dict[tuple[str, str], st
 
 
 def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topology = H100,
-                    trace: Trace | None = None, place: str = "naive") -> Plan:
+                    trace: Trace | None = None, place: str = "naive", *,
+                    failed: frozenset[str] = frozenset(), allow_lost: bool = False) -> Plan:
     """Plan moving every piece of ``dst``'s state from where ``src`` holds it.
 
     ``place="auto"`` first reassigns ``dst``'s devices to its ranks (``planner.place``) and
     records what the naive placement would have cost in the stats (``naive_*``).
 
+    ``failed``: source devices that died; they send nothing, and the destination must not use
+    them. State only they held is lost: by default that raises ``StateLost`` with the exact
+    report; ``allow_lost=True`` instead plans everything that survives and declares the lost
+    state in ``plan.stats["lost"]`` (``LostState.to_json()``), for the caller to refill. A plan
+    with failures records them in ``plan.stats["failed"]``, so ``verify`` checks that no byte
+    comes from them.
+
     Raises:
         PlanError: the layouts are not the same model.
+        DynatrainError: a failed device is not a source device, or the destination uses one.
+        StateLost: some state the destination needs has no surviving copy (exit status 3).
         BudgetTooSmall (a PlanError): the budget cannot stage one element, or the plan would need
             more rounds or messages x rounds than ``schedule.MAX_ROUNDS`` and
             ``schedule.MAX_SCHEDULE_STEPS`` allow; it names the smallest budget that fits.
@@ -58,12 +69,14 @@ def plan_transition(src: Layout, dst: Layout, budget_bytes: int, topology: Topol
         raise PlanError(f"--budget must be positive (got {budget_bytes})")
     if place not in ("naive", "auto"):
         raise PlanError(f"--place must be naive or auto (got {place!r})")
+    failed_ranks = check_failed(frozenset(failed), src.devices, dst.devices) if failed else \
+        frozenset()
     with cycle_collector_paused():
-        return _plan(src, dst, budget_bytes, topology, trace, place)
+        return _plan(src, dst, budget_bytes, topology, trace, place, failed_ranks, allow_lost)
 
 
 def _plan(src: Layout, dst: Layout, budget_bytes: int, topology: Topology, trace: Trace | None,
-          place: str) -> Plan:
+          place: str, failed: frozenset[int] = frozenset(), allow_lost: bool = False) -> Plan:
     t0 = time.perf_counter()
     sv, dv = transition_views(src, dst)
     dtypes = check_compatible(sv, dv)
@@ -77,7 +90,12 @@ def _plan(src: Layout, dst: Layout, budget_bytes: int, topology: Topology, trace
 
     # The intersection is in rank terms, so it serves any placement of the same layout.
     derived = ("param",) if dst.spec.state.derive_param else ()
-    inter = step("intersect", lambda: intersect(sv, dv, derived))
+    inter = step("intersect", lambda: intersect(sv, dv, derived, failed))
+    lost = None
+    if failed:
+        lost = lost_state(inter.lost, dtypes, (src.devices[r] for r in failed))
+        if lost and not allow_lost:
+            raise StateLost(lost)
     naive = None
     if place == "auto":
         naive = _schedule(inter, src, dst, dtypes, budget_bytes, topology, step)
@@ -87,6 +105,8 @@ def _plan(src: Layout, dst: Layout, budget_bytes: int, topology: Topology, trace
     if naive is not None:
         plan.stats.update(naive_bytes_moved=naive.stats["bytes_moved"],
                           naive_predicted_seconds=naive.stats["predicted_seconds"])
+    if lost is not None:
+        plan.stats.update(failed=list(lost.failed), lost=lost.to_json())
     plan.stats["plan_seconds"] = time.perf_counter() - t0
     return plan
 

@@ -44,6 +44,7 @@ def summary_lines(switch: PlannedSwitch, biggest: int = 5) -> list[str]:
         f"{plan.src_name}  ->  {plan.dst_name}",
         f"  src     {grid(src):<32} {plural(src.world, 'device')}",
         f"  dst     {grid(dst):<32} {plural(dst.world, 'device')} ({new} new, {leaving} leaving)",
+        *_failure_lines(st),
         *_placement_lines(st, new or leaving),
         _moved_line(st),
         f"  local   {format_bytes(st['bytes_local'])} copied on the same device "
@@ -67,6 +68,20 @@ def summary_lines(switch: PlannedSwitch, biggest: int = 5) -> list[str]:
         lines.append("  biggest movers (bytes sent between devices)")
         for key, n in sorted(moved_by_key.items(), key=lambda kv: (-kv[1], kv[0]))[:biggest]:
             lines.append(f"    {format_bytes(n):>10}  {key}")
+    return lines
+
+
+def _failure_lines(st: dict) -> list[str]:
+    failed = st.get("failed") or []
+    if not failed:
+        return []
+    lines = [f"  failed  {plural(len(failed), 'device')} ({failed[0]} .. {failed[-1]}): "
+             "nothing is read from them"]
+    if st.get("lost"):
+        from ..planner.lost import LostState
+
+        lines.append(f"  lost    {LostState.from_json(st['lost']).summary()}; not moved "
+                     "(--allow-lost): refill it from a checkpoint")
     return lines
 
 

@@ -4,7 +4,7 @@ Five rules (``report.RULES``), each recomputed from the layouts and the plan's o
 
 1. coverage — every element of every destination region is written exactly once;
 2. source — every transfer reads a region its sending device holds, of the same tensor, state
-   kind and dtype;
+   kind and dtype, and no byte comes from a device the plan (or the caller) names failed;
 3. expert — each expert element has one owner per expert-data-parallel replica in the
    destination, and no transfer writes expert state to a device that does not own it;
 4. deadlock — the per-device message orders of every round admit one global order;
@@ -24,7 +24,7 @@ from ..ir.state import transition_views
 from ..planner.cost import Topology
 from ..planner.gcpause import cycle_collector_paused
 from ..planner.plan import Plan
-from .data import check_data
+from .data import Declared, check_data
 from .memory import check_memory, checked_reserve
 from .order import check_deadlock
 from .ownership import check_expert_ownership
@@ -33,7 +33,7 @@ from .report import VerificationError, Violation, VerifyReport
 
 def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None,
            budget_bytes: int | None = None, limit: int = 50, *,
-           reserve_bytes: int = 0) -> VerifyReport:
+           reserve_bytes: int = 0, failed: frozenset[str] | None = None) -> VerifyReport:
     """Every violation of the five rules by ``plan`` moving ``src``'s state into ``dst``.
 
     ``dst`` may place its ranks on other devices than the plan does (``--place auto``): the
@@ -43,18 +43,24 @@ def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = Non
     At most ``limit`` violations are kept per rule; the report counts the rest.
     ``reserve_bytes``: device memory the training job needs besides its state (activations,
     allocator cache, communicator buffers), counted on every device against the capacity.
+    ``failed``: source devices that died (None: those the plan declares in
+    ``stats["failed"]``). A transfer from one breaks the source rule, a destination rank on
+    one the coverage rule. State the plan declares lost (``stats["lost"]``, see
+    ``planner.lost``) is left unwritten, but only if no surviving source device holds it.
 
     Raises:
         DynatrainError: ``reserve_bytes`` is not a whole number of bytes >= 0, or is given
             without a device memory to count it against.
     """
     reserve_bytes = checked_reserve(reserve_bytes, topology)
+    declared = Declared.of(plan, failed)
     with cycle_collector_paused():
-        return _verify(plan, src, dst, topology, budget_bytes, limit, reserve_bytes)
+        return _verify(plan, src, dst, topology, budget_bytes, limit, reserve_bytes, declared)
 
 
 def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
-            budget_bytes: int | None, limit: int, reserve_bytes: int) -> VerifyReport:
+            budget_bytes: int | None, limit: int, reserve_bytes: int,
+            declared: Declared) -> VerifyReport:
     t0 = time.perf_counter()
     kept: list[Violation] = []
     per_rule: Counter[str] = Counter()
@@ -67,7 +73,7 @@ def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
     sv, dv = transition_views(src, dst)
     checked: dict = {"rounds": len(plan.rounds)}
     if _devices_match(plan, src, dst, emit):
-        checked["transfers"], staging = check_data(plan, sv, dv, emit)
+        checked["transfers"], staging = check_data(plan, sv, dv, emit, declared)
         checked["expert_replicas"] = check_expert_ownership(dv, plan.dst_devices, emit)
         capacity = None
         if topology is not None and topology.memory_GB is not None:
@@ -81,9 +87,11 @@ def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
 
 
 def check(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None,
-          budget_bytes: int | None = None, *, reserve_bytes: int = 0) -> VerifyReport:
+          budget_bytes: int | None = None, *, reserve_bytes: int = 0,
+          failed: frozenset[str] | None = None) -> VerifyReport:
     """``verify``, raising ``VerificationError`` (with every violation) if any rule fails."""
-    report = verify(plan, src, dst, topology, budget_bytes, reserve_bytes=reserve_bytes)
+    report = verify(plan, src, dst, topology, budget_bytes, reserve_bytes=reserve_bytes,
+                    failed=failed)
     if not report.ok:
         raise VerificationError(report)
     return report

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..ir.box import Box
+from ..ir.errors import DynatrainError
 from ..ir.state import StateView, Stored
+from ..planner.lost import LostState
 from ..planner.plan import Message, Plan, Transfer
 from .report import Violation
 from .tiling import inside, outside_point, tiling_fault, well_formed
@@ -20,6 +23,32 @@ ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8}
 
 Emit = Callable[[Violation], None]
 Target = tuple[str, object, Box]  # (key, slot, anchor): one region of a rank's storage
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    """What a plan says about failures: the source devices that died and the state it leaves
+    unwritten because no survivor holds it (``planner.lost``)."""
+
+    failed: frozenset[str] = frozenset()
+    lost: LostState = LostState(())
+
+    @classmethod
+    def of(cls, plan: Plan, failed: frozenset[str] | None = None) -> "Declared":
+        """From ``plan.stats`` (``failed``: the caller's list instead of the plan's).
+
+        Raises:
+            DynatrainError: the plan's ``lost`` or ``failed`` is malformed.
+        """
+        doc = plan.stats.get("lost")
+        lost = doc if isinstance(doc, LostState) else (
+            LostState.from_json(doc) if doc is not None else LostState(()))
+        if failed is None:
+            named = plan.stats.get("failed", ())
+            if not isinstance(named, (list, tuple)) or not all(isinstance(d, str) for d in named):
+                raise DynatrainError("summary.failed: must be a list of device names")
+            failed = frozenset(named)
+        return cls(frozenset(failed), lost)
 
 
 class Holdings:
@@ -74,8 +103,8 @@ def expert_keys(view: StateView) -> frozenset[str]:
     return frozenset(keys)
 
 
-def check_data(plan: Plan, src: StateView, dst: StateView,
-               emit: Emit) -> tuple[int, list[dict[str, int]]]:
+def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
+               declared: Declared = Declared()) -> tuple[int, list[dict[str, int]]]:
     """Check every transfer's source and the tiling of every destination region.
 
     Returns the number of transfers checked and, per round, the bytes each device stages
@@ -85,7 +114,15 @@ def check_data(plan: Plan, src: StateView, dst: StateView,
     layer/expert family is one transfer). The loop runs once per transfer of plans with
     hundreds of thousands of them, so the common case is inlined and the rest memoized:
     element sizes per (key, kinds), source lookups per (rank, region).
+
+    ``declared``: failed source devices (nothing may be read from them or written to them)
+    and the state the plan declares lost (left unwritten, if truly no survivor holds it).
     """
+    failed = declared.failed
+    if failed:
+        _check_failed_destination(plan.dst_devices, failed, emit)
+    if declared.lost:
+        _check_declared_lost(src, plan.src_devices, declared, emit)
     s_hold, d_hold = Holdings(src), Holdings(dst)
     elem_bytes = _ElementBytes(src, dst)
     s_world, d_world = src.layout.world, dst.layout.world
@@ -100,6 +137,11 @@ def check_data(plan: Plan, src: StateView, dst: StateView,
         staging.append(staged)
         for m in rnd.messages:
             moved = 0
+            if failed and m.src_device in failed and m.transfers:
+                t = m.transfers[0]
+                emit(Violation("source", f"round {r}: reads from failed device {m.src_device} "
+                               f"({len(m.transfers)} transfer(s) to {m.dst_device})", t.key,
+                               ",".join(t.kinds), (t.src_rank,), (m.src_device,), t.box.lo))
             for t in m.transfers:
                 count += 1
                 sr, dr = t.src_rank, t.dst_rank
@@ -143,9 +185,50 @@ def check_data(plan: Plan, src: StateView, dst: StateView,
             if m.src_device != m.dst_device:  # local copies go slot to slot: no staging
                 staged[m.src_device] += moved
                 staged[m.dst_device] += moved
+    unfilled: dict[tuple[str, str], tuple[Box, ...]] = {
+        (e.key, e.kind): e.boxes for e in declared.lost.entries}
     _check_coverage(dst, d_hold, writes, _derivable(plan, dst, emit), expert_keys(dst), d_dev,
-                    emit)
+                    emit, unfilled)
     return count, staging
+
+
+def _check_failed_destination(devices: tuple[str, ...], failed: frozenset[str],
+                              emit: Emit) -> None:
+    """No destination rank may run on a failed device."""
+    for rank, d in enumerate(devices):
+        if d in failed:
+            emit(Violation("coverage", f"destination rank {rank} is placed on failed device {d}",
+                           ranks=(rank,), devices=(d,)))
+
+
+def _check_declared_lost(src: StateView, devices: tuple[str, ...], declared: Declared,
+                         emit: Emit) -> None:
+    """State declared lost must really be lost: no surviving source rank holds any of it (in
+    any slot, tied copies included), or the plan skips state it could have moved."""
+    want = {(e.key, e.kind) for e in declared.lost.entries}
+    if not want:
+        return
+    held: dict[tuple[str, str], list[tuple[Box, int]]] = defaultdict(list)
+    seen: dict[int, object] = {}  # the value keeps each part alive, so ids stay unique
+    for rank in range(src.layout.world):
+        if rank < len(devices) and devices[rank] in declared.failed:
+            continue
+        for part in src.parts(rank):
+            if id(part) in seen:
+                continue
+            seen[id(part)] = part
+            for s in part:
+                for k in s.kinds:
+                    if (s.key, k) in want:
+                        held[(s.key, k)].append((s.box, rank))
+    for e in declared.lost.entries:
+        hit = next(((b & h, r) for b in e.boxes for h, r in held.get((e.key, e.kind), ())
+                    if b & h is not None), None)
+        if hit is not None:
+            cut, rank = hit
+            emit(Violation("coverage", f"is declared lost, but surviving source rank {rank} "
+                           f"({devices[rank] if rank < len(devices) else '?'}) holds it",
+                           e.key, e.kind, (rank,), (), tuple(cut.lo)))
 
 
 def _derivable(plan: Plan, dst: StateView, emit: Emit) -> set[str]:
@@ -229,8 +312,11 @@ def _check_source(t: Transfer, device: str, kinds: tuple[str, ...] | None, emit:
 
 def _check_coverage(dst: StateView, hold: Holdings,
                     writes: dict[tuple[int, Target], list[Transfer]], derived: set[str],
-                    experts: frozenset[str], devices: tuple[str, ...], emit: Emit) -> None:
+                    experts: frozenset[str], devices: tuple[str, ...], emit: Emit,
+                    unfilled: dict[tuple[str, str], tuple[Box, ...]] | None = None) -> None:
+    """``unfilled``: per (key, kind), boxes declared lost; they count as written once."""
     needed_of: dict[tuple[str, ...], tuple[str, ...]] = {}
+    lost_keys = {key for key, _ in unfilled} if unfilled else set()
     for rank in range(dst.layout.world):
         for s in dst.stored(rank):
             ws = writes.pop((rank, (s.key, s.slot, s.box)), [])
@@ -240,7 +326,11 @@ def _check_coverage(dst: StateView, hold: Holdings,
             if len(ws) == 1 and ws[0].kinds == needed and ws[0].box == s.box:
                 continue  # the common case: one transfer writes the whole region
             kind_sets = {t.kinds for t in ws}
-            if len(kind_sets) == 1 and set(next(iter(kind_sets))) == set(needed):
+            gaps = _unfilled_in(s.key, s.box, needed, unfilled) if s.key in lost_keys else {}
+            if gaps:  # declared lost: each kind's writes and lost boxes must tile the region
+                groups = [((k,), [t.box for t in ws if k in t.kinds] + gaps.get(k, []))
+                          for k in needed]
+            elif len(kind_sets) == 1 and set(next(iter(kind_sets))) == set(needed):
                 groups = [(needed, [t.box for t in ws])]  # common case: one check for all kinds
             else:
                 groups = [((k,), [t.box for t in ws if k in t.kinds]) for k in needed]
@@ -275,3 +365,14 @@ def _check_coverage(dst: StateView, hold: Holdings,
             emit(Violation("coverage", f"is written to destination rank {rank} ({devices[rank]}), "
                            f"which has no region {anchor} in {slot}", key, ",".join(t.kinds), (rank,),
                            (devices[rank],), point))
+
+
+def _unfilled_in(key: str, box: Box, kinds: tuple[str, ...],
+                 unfilled: dict[tuple[str, str], tuple[Box, ...]] | None) -> dict[str, list[Box]]:
+    """Per kind, the parts of ``box`` declared lost (kinds with none left out)."""
+    out: dict[str, list[Box]] = {}
+    for k in kinds:
+        cuts = [c for b in (unfilled or {}).get((key, k), ()) if (c := b & box) is not None]
+        if cuts:
+            out[k] = cuts
+    return out

@@ -10,8 +10,8 @@ Five rules (``report.RULES``), each recomputed from the layouts and the plan's o
 4. deadlock — the per-device message orders of every round admit one global order;
 5. memory — staging per device and round within the budget, live state within capacity.
 
-The checks are exact integer sort-and-scan work (see ``tiling``); ``lemmas`` proves with z3 the
-region arithmetic they and the planner rely on, for all sizes.
+The checks are exact integer work (``tiling``: signed corner counts, linear in the boxes);
+``lemmas`` proves with z3 the region arithmetic they and the planner rely on, for all sizes.
 """
 
 from __future__ import annotations

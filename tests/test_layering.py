@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "dynatrain"
-LAYER = {"ir": 0, "planner": 1, "verify": 2, "runtime": 2, "cli": 3}
+LAYER = {"ir": 0, "planner": 1, "verify": 2, "runtime": 2, "checkpoint": 2.5, "cli": 3}
 FORBIDDEN = {"ir": {"torch", "z3", "megatron"}, "planner": {"torch", "z3", "megatron"}}
 
 

@@ -12,6 +12,9 @@ The public API (see ``dynatrain.api`` for an example)::
     suggest(src, devices)             layouts that fit these devices, ranked by switch time
     run_local(switch)                 run a small switch here, checked bit for bit (torch)
     LiveSwitcher                      switch a running Megatron job (torch, megatron-core)
+    spec_from_megatron(args, world)   a spec from Megatron-LM's args or a TransformerConfig
+    spec_from_hf_config(cfg, ...)     a spec from a HuggingFace config.json
+    load_checkpoint(dir, layout, r)   a megatron dist checkpoint into any layout (torch)
     parse_bytes("2GiB")               sizes in any unit
 
 Errors: ``DynatrainError`` (``exit_code`` 2, bad input), ``VerificationError`` (1),
@@ -29,14 +32,17 @@ from .api import (PlannedSwitch, load_layout, load_plan, plan, run_local, save_p
 from .ir.errors import DynatrainError, SpecError
 from .ir.layout import Layout
 from .ir.units import parse_bytes
+from .ir.from_job import spec_from_megatron
+from .ir.hf_config import spec_from_hf_config
 from .planner.lost import LostState, StateLost, expand_failed
 from .verify.report import VerificationError, VerifyReport
 
 __all__ = ["DynatrainError", "Layout", "LiveSwitcher", "LostState", "PlannedSwitch", "SpecError",
            "StateLost", "SwitchAborted", "VerificationError", "VerifyReport", "expand_failed",
            "load_layout", "load_plan",
-           "parse_bytes", "plan", "run_local", "save_plan", "suggest", "summarize",
-           "verify_switch"]
+           "load_checkpoint", "load_checkpoint_into", "parse_bytes", "plan", "plan_load",
+           "run_local", "save_plan", "spec_from_hf_config", "spec_from_megatron", "suggest",
+           "summarize", "verify_switch", "CheckpointError"]
 
 
 def __getattr__(name: str) -> Any:
@@ -45,6 +51,10 @@ def __getattr__(name: str) -> Any:
         from .runtime.megatron.live import LiveSwitcher
 
         return LiveSwitcher
+    if name in ("load_checkpoint", "load_checkpoint_into", "plan_load", "CheckpointError"):
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
     if name == "SwitchAborted":
         from .runtime.executor import SwitchAborted
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -118,9 +119,80 @@ def _failed(text: str | None, spec_path: str):
     return expand_failed(text, Layout(load_spec(spec_path)).devices)
 
 
+def _plan_checkpoint_load(args: argparse.Namespace) -> int:
+    """``dynatrain plan CKPT_DIR dst.yaml``: what loading the checkpoint would read, per device."""
+    from .checkpoint import plan_load, format_load
+
+    summary = plan_load(args.src, Layout(load_spec(args.dst))).summary()
+    print(format_load(summary, per_device=args.per_device))
+    if args.json:
+        _write(args.json, json.dumps(summary, default=str) + "\n", "--json")
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from .checkpoint import LoadStats, format_load, load_planned, plan_load
+
+    plan = plan_load(args.checkpoint, Layout(load_spec(args.dst)))
+    stats = LoadStats()
+    load_planned(plan, budget=parse_bytes(args.budget, "--budget"), stats=stats)
+    print(format_load(plan.summary()))
+    print(f"  loaded  {format_bytes(stats.bytes_read)} read in {stats.chunks} chunks, "
+          f"{format_bytes(stats.bytes_written)} written into every destination rank's storage "
+          f"in {stats.seconds:.2f} s (peak {format_bytes(stats.peak_in_flight)} in flight)")
+    return 0
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    from .ir.errors import SpecError
+    from .ir.from_job import read_megatron
+    from .ir.hf_config import parse_assignments, read_hf_config, spec_from_hf_config
+    from .ir.loader import spec_to_yaml_text
+
+    if (args.from_args is None) == (args.from_hf is None):
+        raise DynatrainError("spec: give exactly one of --from-args ARGS.json or --from-hf "
+                             "config.json")
+    path = args.from_args or args.from_hf
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as err:
+        raise DynatrainError(f"{path}: cannot read ({err.strerror or err})") from None
+    except (ValueError, RecursionError) as err:
+        raise SpecError(path, f"not JSON ({str(err).splitlines()[0][:80]})") from None
+    if not isinstance(doc, dict):
+        raise SpecError(path, "must be a JSON object of argument names")
+    if args.from_args:
+        world = (parse_assignments(args.world, "--world") if args.world
+                 else {"world_size": doc.get("world_size"), "gpus_per_node": 8})
+        job = read_megatron(doc, world, name=args.name)
+        for line in ([job.warning()] if job.warning() else []) + list(job.notes):
+            print(f"dynatrain: note: {line}", file=sys.stderr)
+        spec = job.spec
+    else:
+        if not args.parallel or not args.world:
+            raise DynatrainError("--from-hf: also give --parallel tp=8,pp=4 and --world "
+                                 "nodes=16,gpus_per_node=8")
+        unknown = read_hf_config(doc).unknown
+        if unknown:
+            print(f"dynatrain: note: config keys not used: {', '.join(sorted(unknown)[:12])}",
+                  file=sys.stderr)
+        spec = spec_from_hf_config(doc, parse_assignments(args.parallel, "--parallel"),
+                                   parse_assignments(args.world, "--world"), name=args.name)
+    text = spec_to_yaml_text(spec)
+    if args.output:
+        _write(args.output, text, "--output")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .api import plan
     from .report.summary import summary_lines
+
+    if os.path.isdir(args.src):  # a megatron dist checkpoint as the source
+        return _plan_checkpoint_load(args)
 
     from .planner.lost import StateLost
 
@@ -411,6 +483,24 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--failed", help="source devices or nodes that failed, e.g. node3,node5:gpu2")
     su.add_argument("--json", metavar="FILE", help="write the ranked layouts with their specs")
     su.set_defaults(func=cmd_suggest)
+    lo = sub.add_parser("load", help="load a megatron dist checkpoint (torch_dist) into any "
+                                     "layout, bit for bit")
+    lo.add_argument("checkpoint", metavar="CKPT_DIR")
+    lo.add_argument("dst", help="destination layout spec")
+    lo.add_argument("--budget", default="2GiB",
+                    help="checkpoint chunks in flight at most (default 2GiB)")
+    lo.set_defaults(func=cmd_load)
+    sp = sub.add_parser("spec", help="write a layout spec from Megatron-LM's arguments or a "
+                                     "HuggingFace config.json")
+    sp.add_argument("--from-args", metavar="ARGS.json",
+                    help="Megatron-LM's parsed arguments as JSON (vars(args))")
+    sp.add_argument("--from-hf", metavar="CONFIG.json", help="a HuggingFace config.json")
+    sp.add_argument("--parallel", help="with --from-hf: e.g. tp=8,pp=4,ep=8")
+    sp.add_argument("--world", help="e.g. nodes=16,gpus_per_node=8 (with --from-args: default "
+                                    "the args' world_size on 8 GPUs per node)")
+    sp.add_argument("--name", help="the spec's name")
+    sp.add_argument("-o", "--output", metavar="FILE", help="write the YAML here (default stdout)")
+    sp.set_defaults(func=cmd_spec)
     pr = sub.add_parser("prove", help="prove with z3 the region arithmetic plans rely on")
     pr.add_argument("lemma", nargs="*", help="lemma names (default: all)")
     pr.set_defaults(func=cmd_prove)

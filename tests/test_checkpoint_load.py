@@ -43,6 +43,7 @@ from dynatrain.planner.lost import LostEntry, LostState
 from dynatrain.runtime.megatron import extract_state
 from dynatrain.runtime.storage import fill_from_global, random_global, torch_dtype
 from dynatrain.ir.loader import spec_from_dict
+from dynatrain.ir.units import format_bytes
 from matrix import MOE, case, to_harness_cfg, to_spec, to_spec_dict
 from megatron_support import live
 from megatron_support.probes import _may_have_children
@@ -399,3 +400,23 @@ def test_refuses_a_checkpoint_of_another_model(source: dict) -> None:
 def test_refuses_a_dp_reshardable_optimizer(source: dict) -> None:
     _refused(source["dp"], match="dp_reshardable")
     assert open_checkpoint(source["dp"]).tensors  # the files themselves read fine
+
+
+def test_cli_load_and_plan_a_checkpoint(source, tmp_path, capsys) -> None:
+    import yaml
+
+    from dynatrain.cli import main
+
+    dst = tmp_path / "dst.yaml"
+    dst.write_text(yaml.safe_dump(to_spec_dict(DSTS["pp2-dp2-tied"])))
+    assert main(["plan", source["full"], str(dst), "--json", str(tmp_path / "load.json")]) == 0
+    planned = capsys.readouterr().out
+    assert planned.startswith(f"checkpoint {source['full']}")
+    summary = json.loads((tmp_path / "load.json").read_text())
+    assert main(["load", source["full"], str(dst), "--budget", "1MiB"]) == 0
+    loaded = capsys.readouterr().out
+    written = sum(v["bytes_written"] for v in summary["per_rank"].values())
+    assert f"{format_bytes(written)} written into every destination rank's storage" in loaded
+    assert main(["load", str(tmp_path / "nowhere"), str(dst)]) == 2  # one line, nothing moves
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dynatrain: error: ")

@@ -328,3 +328,9 @@ def spec_to_dict(spec: LayoutSpec, devices: tuple[str, ...] | None = None) -> di
     if devices is not None:
         doc["world"] = {"devices": list(devices)}
     return doc
+
+
+def spec_to_yaml_text(spec: LayoutSpec, devices: tuple[str, ...] | None = None) -> str:
+    """``spec_to_dict`` as YAML text that ``parse_spec`` reads back to an equal spec."""
+    return yaml.safe_dump(spec_to_dict(spec, devices), sort_keys=False, default_flow_style=None,
+                          width=100)

@@ -1,0 +1,680 @@
+"""Layout specs from the job itself: Megatron-LM's ``args`` or megatron-core's config objects.
+
+``read_megatron(args_or_config, world)`` maps a job's own settings onto a ``LayoutSpec``:
+
+* Megatron-LM's parsed ``args`` (an ``argparse.Namespace``, or a mapping such as the JSON of
+  ``vars(args)``) in its CLI names (``num_experts``, ``group_query_attention``,
+  ``padded_vocab_size``, ...). A name missing from the mapping takes Megatron-LM's default
+  (core_v0.16.1 ``megatron/training/arguments.py``), and the values ``validate_args`` derives
+  (``ffn_hidden_size`` for SwiGLU, the virtual pipeline size, ETP = TP) are derived the same way.
+* megatron-core's ``TransformerConfig`` and, optionally, ``DistributedDataParallelConfig`` of a
+  running job, read by duck typing (``ir`` imports no megatron). A config has no vocabulary or
+  embedding settings (those are GPTModel arguments): pass them in ``extra`` in Megatron-LM's
+  names, e.g. ``extra={"padded_vocab_size": model.vocab_size,
+  "untie_embeddings_and_output_weights": True, "position_embedding_type": "rope"}``.
+
+Every name falls in one of three lists: ``MAPPED`` (read into the spec or checked against it),
+``UNSUPPORTED`` (changes the layout in a way DynaTrain does not model yet: a value other than
+the accepted ones is refused with one ``SpecError`` naming the argument) and ``IGNORED`` (no
+effect on where parameters and optimizer state live: learning rate, data, logging, kernels).
+A name in none of them (a newer Megatron, a fork) is not read; ``JobSpec.unknown`` lists it
+and ``spec_from_megatron`` warns with one line, so nothing is dropped without a word.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import SpecError
+from .loader import spec_from_dict
+from .spec import LayoutSpec
+
+# Megatron-LM's defaults (core_v0.16.1) for every name read here.
+_DEFAULTS: dict[str, Any] = dict(
+    num_layers=None, hidden_size=None, ffn_hidden_size=None, num_attention_heads=None,
+    group_query_attention=False, num_query_groups=1, kv_channels=None, swiglu=False,
+    untie_embeddings_and_output_weights=False, vocab_size=None, padded_vocab_size=None,
+    tokenizer_type=None, make_vocab_size_divisible_by=128, max_position_embeddings=None,
+    position_embedding_type="learned_absolute", use_rotary_position_embeddings=False,
+    normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=False, qk_layernorm=False,
+    num_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2,
+    moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, moe_layer_freq=1,
+    moe_router_enable_expert_bias=False, moe_router_score_function="softmax",
+    tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+    num_virtual_stages_per_pipeline_rank=None, context_parallel_size=1,
+    expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+    decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+    account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
+    use_distributed_optimizer=False, num_distributed_optimizer_instances=1,
+    overlap_grad_reduce=False, ddp_bucket_size=None, use_tp_pp_dp_mapping=False, bf16=False,
+    fp16=False, params_dtype=None, use_precision_aware_optimizer=False, main_params_dtype="fp32",
+    exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32", optimizer="adam", world_size=None,
+    data_parallel_size=None, transformer_pipeline_model_parallel_size=None,
+)
+MAPPED = frozenset(_DEFAULTS)
+
+# name -> (accepted values, what the others would need). Defaults are accepted, except
+# transformer_impl: Megatron-LM builds Transformer Engine layers unless told otherwise.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "transformer_impl": (("local",), "Transformer Engine layers; use --transformer-impl local"),
+    "moe_grouped_gemm": ((False,), "grouped-GEMM experts"),
+    "pipeline_model_parallel_layout": ((None, ""), "a pipeline layout string"),
+    "fp8": ((None,), "fp8 training"),
+    "fp8_param_gather": ((False,), "fp8 parameters"),
+    "fp4": ((None,), "fp4 training"),
+    "fp4_param": ((False,), "fp4 parameters"),
+    "te_precision_config_file": ((None, ""), "a Transformer Engine precision recipe"),
+    "quant_recipe": ((None,), "a quantization recipe"),
+    "use_kitchen": ((False,), "kitchen quantization"),
+    "use_kitchen_attention": ((False,), "kitchen attention"),
+    "multi_latent_attention": ((False,), "multi-latent attention"),
+    "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
+    "heterogeneous_layers_config_path": ((None, ""), "heterogeneous layers"),
+    "heterogeneous_layers_config_encoded_json": ((None, ""), "heterogeneous layers"),
+    "heterogeneous_block_specs": ((False,), "heterogeneous layers"),
+    "moe_latent_size": ((None,), "MoE latent projections"),
+    "moe_extended_tp": ((False,), "extended expert TP"),
+    "experimental_attention_variant": ((None,), "experimental attention variants"),
+    "linear_attention_freq": ((None,), "linear attention layers"),
+    "attention_output_gate": ((False,), "attention output gates"),
+    "softmax_type": (("vanilla",), "learnable or off-by-one softmax"),
+    "qk_l2_norm": ((False,), "L2 query/key norms"),
+    "quick_geglu": ((False,), "quick-GeGLU (only SwiGLU gating is modelled)"),
+    "is_hybrid_model": ((False,), "hybrid (Mamba) models"),
+    "hybrid_override_pattern": ((None, ""), "hybrid (Mamba) models"),
+    "hybrid_attention_ratio": ((0, 0.0), "hybrid (Mamba) models"),
+    "hybrid_mlp_ratio": ((0, 0.0), "hybrid (Mamba) models"),
+    "decoder_num_layers": ((None,), "encoder-decoder models"),
+    "spec": ((None,), "a custom layer spec"),
+    "use_legacy_models": ((False,), "legacy (non-mcore) models"),
+    "use_inference_optimized_layers": ((False,), "inference-optimized layers"),
+    "use_megatron_fsdp": ((False,), "Megatron FSDP"),
+    "use_custom_fsdp": ((False,), "Megatron FSDP"),
+    "use_torch_fsdp2": ((False,), "torch FSDP2"),
+    "data_parallel_sharding_strategy": (("no_shard",), "FSDP sharding"),
+    "ddp_num_buckets": ((None,), "a bucket count (its size depends on each rank's "
+                        "parameters); give ddp_bucket_size"),
+    "ddp_pad_buckets_for_high_nccl_busbw": ((False,), "NCCL bus-bandwidth bucket padding"),
+    "optimizer_cpu_offload": ((False,), "optimizer state offloaded to the CPU"),
+}
+
+# No effect on where parameters and optimizer state live (checked name by name against
+# core_v0.16.1's Megatron-LM arguments, TransformerConfig and DistributedDataParallelConfig).
+# Some only matter together with an UNSUPPORTED switch that is refused (fp8_recipe, q_lora_rank).
+IGNORED = frozenset("""
+_cpu_offloading_context accumulate_allreduce_grads_in_fp32 activation_func_clamp_value
+activation_func_fp8_input_store adam_beta1 adam_beta2 adam_eps add_position_embedding
+adlr_autoresume adlr_autoresume_interval align_grad_reduce align_param_gather
+allow_ambiguous_pad_tokens app_tag_run_name app_tag_run_version apply_query_key_layer_scaling
+apply_residual_connection_post_layernorm apply_rope_fusion apply_wd_to_qk_layernorm async_save
+async_tensor_model_parallel_allreduce attention_backend attention_dropout
+attention_softmax_in_fp32 auto_detect_ckpt_format autocast_dtype average_in_collective
+barrier_with_L1_time batch_invariant_mode batch_p2p_comm batch_p2p_sync batch_size
+bert_binary_head bert_embedder_type bert_load bias_activation_fusion bias_dropout_fusion
+bias_gelu_fusion bias_swiglu_fusion biencoder_projection_dim
+biencoder_shared_query_context_model block_data_path cache_mla_latents calc_ft_timeouts
+calculate_per_token_loss check_for_large_grads check_for_nan_in_grad
+check_for_nan_in_loss_and_grad check_for_spiky_loss
+check_weight_hash_across_dp_replicas_interval checkpoint_activations
+ckpt_assume_constant_structure ckpt_convert_format ckpt_convert_save
+ckpt_convert_update_legacy_dist_opt_format ckpt_format ckpt_fully_parallel_load
+ckpt_fully_parallel_save ckpt_fully_parallel_save_deprecated ckpt_step classes_fraction
+clip_grad clone_scatter_output_in_embedding config_logger_dir consumed_train_samples
+consumed_valid_samples cp_comm_type cpu_offloading cpu_offloading_activations
+cpu_offloading_double_buffering cpu_offloading_num_layers cpu_offloading_weights
+create_all_gather_group create_attention_mask_in_dataloader cross_entropy_fusion_impl
+cross_entropy_loss_fusion cuda_graph_impl cuda_graph_retain_backward_graph cuda_graph_scope
+cuda_graph_use_single_mempool cuda_graph_warmup_steps data_args_path data_cache_path
+data_parallel_random_init data_path data_per_class_fraction data_sharding
+dataloader_defer_npy_index_mmap dataloader_fast_cache_load dataloader_type
+ddp_average_in_collective ddp_reduce_scatter_with_fp32_accumulation deallocate_pipeline_outputs
+decode_only_cuda_graphs decoder_seq_length decoupled_lr decoupled_min_lr
+decrease_batch_size_if_needed defer_embedding_wgrad_compute delay_wgrad_compute
+deprecated_use_mcore_models deterministic_mode dino_bottleneck_size dino_freeze_last_layer
+dino_head_hidden_size dino_local_crops_number dino_local_img_size dino_norm_last_layer
+dino_teacher_temp dino_warmup_teacher_temp dino_warmup_teacher_temp_epochs
+disable_bf16_reduced_precision_matmul disable_chunked_prefill disable_jit_fuser
+disable_parameter_transpose_cache disable_straggler_on_startup disable_symmetric_registration
+dist_ckpt_format_deprecated dist_ckpt_optim_fully_reshardable dist_ckpt_save_pre_mcore_014
+dist_ckpt_strictness distrib_optim_fully_reshardable_mem_efficient distribute_saved_activations
+distributed_backend distributed_timeout_minutes distributed_timeout_seconds_after_init
+dsa_indexer_head_dim dsa_indexer_loss_coeff dsa_indexer_n_heads dsa_indexer_topk
+dsa_indexer_use_sparse_loss dump_param_to_param_group_map embedding_init_method
+embedding_init_method_std embedding_path empty_unused_memory_level enable_autocast
+enable_cuda_graph enable_experimental enable_ft_package enable_full_sharding_in_hsdp
+enable_gloo_process_groups enable_msc enable_one_logger encoder_num_layers encoder_seq_length
+end_weight_decay eod_mask_loss ep_overlap_early_attn_memory_release error_injection_rate
+error_injection_type eval_interval eval_iters evidence_data_path exit_duration_in_mins
+exit_interval exit_on_missing_checkpoint exit_signal exit_signal_handler
+exit_signal_handler_for_dataloader external_cuda_graph fake_process_group fim_data fim_eod_token
+fim_fragment_rate fim_middle_token fim_no_prefix fim_pad_token fim_prefix_token fim_rate
+fim_split_sample fim_spm_rate fim_suffix_token finalize_model_grads_func
+fine_grained_activation_offloading finetune first_last_layers_bf16 flash_decode
+fp16_lm_cross_entropy fp32_residual_connection fp4_quantizer_factory fp4_recipe
+fp8_amax_compute_algo fp8_amax_history_len fp8_dot_product_attention fp8_interval fp8_margin
+fp8_multi_head_attention fp8_quantizer_factory fp8_recipe fp8_wgrad fsdp_double_buffer
+fsdp_manual_registration ft_num_warmup_iters full_validation fused_single_qkv_rope
+global_batch_size glu_linear_offset grad_reduce_in_bf16 grad_reduce_in_fp32 grad_scale_func
+grad_sync_func gradient_accumulation_fusion gradient_reduce_div_fusion grpo_clamp_eps_lower
+grpo_clamp_eps_upper grpo_entropy_term_weight grpo_filter_groups_with_same_reward
+grpo_group_size grpo_iterations grpo_kl_beta grpo_prompts_per_step head_lr_mult
+hetereogenous_dist_checkpoint hidden_dropout hierarchical_context_parallel_sizes
+high_priority_stream_groups hybrid_context_parallel hysteresis ict_head_size ict_load img_h
+img_w indexer_batch_size indexer_log_interval inference_batch_times_seqlen_threshold
+inference_coordinator_port inference_dynamic_batching inference_dynamic_batching_block_size
+inference_dynamic_batching_buffer_size_gb inference_dynamic_batching_cuda_graph_max_tokens
+inference_dynamic_batching_cuda_graph_mixed_prefill_count
+inference_dynamic_batching_max_requests inference_dynamic_batching_max_tokens
+inference_dynamic_batching_num_cuda_graphs inference_dynamic_batching_paused_buffer_size_gb
+inference_dynamic_batching_track_paused_request_events
+inference_dynamic_batching_unified_memory_level inference_fuse_tp_communication
+inference_logging_step_interval inference_max_batch_size inference_max_seq_length
+inference_rng_tracker inference_sampling_seed inference_wandb_logging init_method
+init_method_std init_method_xavier_uniform init_model_with_meta_device initial_loss_scale
+inprocess_active_world_size inprocess_barrier_timeout inprocess_completion_timeout
+inprocess_empty_cuda_cache inprocess_granularity inprocess_hard_timeout
+inprocess_heartbeat_interval inprocess_heartbeat_timeout inprocess_last_call_wait
+inprocess_max_iterations inprocess_monitor_process_interval inprocess_monitor_thread_interval
+inprocess_progress_watchdog_interval inprocess_restart inprocess_soft_timeout
+inprocess_termination_grace_time iter_per_epoch iterations_to_skip keep_fp8_transpose_cache
+kitchen_attention_backend kv_lora_rank langrl_env_config langrl_external_server
+langrl_inference_server_conversation_template langrl_inference_server_type layernorm_epsilon
+layernorm_zero_centered_gamma lazy_mpu_init legacy_tokenizer linear_conv_kernel_dim
+linear_key_head_dim linear_num_key_heads linear_num_value_heads linear_value_head_dim load
+load_main_params_from_ckpt local_rank log_device_memory_used log_energy log_interval
+log_loss_scale_to_tensorboard log_max_attention_logit log_memory_interval
+log_memory_to_tensorboard log_num_zeros_in_grad log_params_norm log_progress log_straggler
+log_throughput log_timers_to_tensorboard log_validation_ppl_to_tensorboard
+log_world_size_to_tensorboard logging_level loss_scale loss_scale_window lr lr_decay_iters
+lr_decay_samples lr_decay_style lr_warmup_fraction lr_warmup_init lr_warmup_iters
+lr_warmup_samples lr_wsd_decay_iters lr_wsd_decay_samples lr_wsd_decay_style main_grads_dtype
+mamba_head_dim mamba_num_groups mamba_num_heads mamba_state_dim manual_gc manual_gc_eval
+manual_gc_interval mask_factor mask_prob mask_type masked_softmax_fusion
+max_seqlen_per_dp_cp_rank max_tokens_to_oom memory_efficient_layer_norm memory_snapshot_path
+merge_file micro_batch_size microbatch_group_size_per_vp_stage mid_level_dataset_surplus
+min_loss_scale min_lr min_offloaded_tensor_size mlp_chunks_for_prefill mmap_bin_files mock_data
+model_parallel_size moe_apply_probs_on_input moe_aux_loss_coeff moe_deepep_num_sms
+moe_enable_deepep moe_enable_routing_replay moe_expert_capacity_factor
+moe_flex_dispatcher_backend moe_hybridep_num_sms moe_input_jitter_eps moe_layer_recompute
+moe_pad_expert_input_to_capacity moe_pad_experts_for_cuda_graph_inference moe_per_layer_logging
+moe_permute_fusion moe_router_bias_update_rate moe_router_dtype moe_router_force_load_balancing
+moe_router_fusion moe_router_group_topk moe_router_load_balancing_type moe_router_num_groups
+moe_router_padding_for_fp8 moe_router_padding_for_quantization moe_router_pre_softmax
+moe_router_topk_limited_devices moe_router_topk_scaling_factor moe_shared_expert_overlap
+moe_token_dispatcher_type moe_token_drop_policy moe_token_dropping moe_upcycling_granularity
+moe_use_legacy_grouped_gemm moe_use_upcycling moe_z_loss_coeff mrope_section mscale
+mscale_all_dim mtp_loss_scaling_factor mtp_standalone multiple_validation_sets
+muon_extra_scale_factor muon_fp32_matmul_prec muon_momentum muon_num_ns_steps muon_scale_mode
+muon_split_qkv muon_tp_mode muon_use_nesterov nccl_all_reduce_for_prefill
+nccl_communicator_config_path nccl_ub no_load_optim no_load_rng no_persist_layer_norm
+no_rope_freq no_save_optim no_save_rng no_sync_func no_weight_decay_cond_type
+non_persistent_ckpt_type non_persistent_global_ckpt_dir non_persistent_local_ckpt_algo
+non_persistent_local_ckpt_dir non_persistent_save_interval num_channels num_classes
+num_dataset_builder_threads num_layers_at_end_in_bf16 num_layers_at_start_in_bf16
+num_microbatches_with_partial_activation_checkpoints num_workers object_storage_cache_path
+offload_modules one_logger_async one_logger_project one_logger_run_name onnx_safe openai_gelu
+optimizer_offload_fraction outer_dp_sharding_strategy output_bert_embeddings
+output_layer_init_method overlap_cpu_optimizer_d2h_h2d overlap_moe_expert_parallel_comm
+overlap_p2p_comm overlap_p2p_comm_warmup_flush overlap_param_gather
+overlap_param_gather_with_optimizer_step override_opt_param_scheduler param_sync_func patch_dim
+per_dataset_sequences_path per_split_data_args_path perform_initialization perform_rl_step
+persist_layer_norm phase_transition_iterations pin_cpu_grads pin_cpu_params pipeline_dtype
+pipeline_model_parallel_comm_backend preserve_fp32_weights pretrained_checkpoint profile
+profile_ranks profile_step_end profile_step_start q_lora_rank qk_clip qk_clip_alpha
+qk_clip_threshold qk_head_dim qk_pos_emb_head_dim query_in_block_prob rampup_batch_size rank
+recompute_activations recompute_granularity recompute_method recompute_modules
+recompute_num_layers record_memory_history reduce_scatter_with_fp32_accumulation refit_method
+relative_attention_max_distance relative_attention_num_buckets replication replication_factor
+replication_jump rerun_mode reset_attention_mask reset_position_ids
+result_rejected_tracker_filename retriever_report_topk_accuracies retriever_score_scaling
+reuse_grad_buf_for_mxfp8_param_ag rl_default_temperature rl_default_top_k rl_default_top_p
+rl_importance_sampling_truncation_coef rl_inference_expert_model_parallel_size
+rl_inference_expert_tensor_model_parallel_size rl_inference_logprobs_is_correction
+rl_inference_model_unified_memory_level rl_inference_pipeline_model_parallel_size
+rl_inference_tensor_model_parallel_size rl_offload_inference_model_weights_when_idle
+rl_offload_kv_cache_during_training rl_offload_optimizer_during_inference
+rl_parallel_generation_tasks rl_partial_rollouts rl_prompts_per_eval
+rl_remove_kv_cache_during_training rl_reset_cuda_graphs rl_sequence_packing_algo
+rl_sequence_packing_max_sequences_per_bin rl_skip_bos_token rl_training_cuda_graphs
+rl_use_sequence_packing rl_verify_model_weights_swap rope_scaling_factor rope_type rotary_base
+rotary_interleaved rotary_percent rotary_scaling_factor rotary_seq_len_interpolation_factor
+run_workload_inspector_server sample_rate save save_dgrads_interval save_interval
+save_retain_interval save_wgrads_interval scatter_gather_tensors_in_pipeline seed seq_length
+sequence_parallel sft sft_tokenizer_prompt_format sgd_momentum sharp_enabled_group
+short_seq_prob skip_train skipped_train_samples softmax_scale split squared_relu
+start_weight_decay straggler_ctrlr_port straggler_minmax_count strict_fsdp_dtensor_load
+suggested_communication_unit_size swin_backbone_type symmetric_ar_type te_rng_tracker
+tensorboard_dir tensorboard_log_interval tensorboard_queue_size test_data_path test_mode
+tiktoken_num_special_tokens tiktoken_pattern tiktoken_special_tokens timers timing_log_level
+timing_log_option titles_data_path tokenizer_hf_include_special_tokens tokenizer_hf_use_fast
+tokenizer_metadata tokenizer_model tokenizer_sentencepiece_legacy tokenizer_special_tokens
+torch_fsdp2_reshard_after_forward tp_comm_atomic_ag tp_comm_atomic_rs
+tp_comm_bootstrap_backend tp_comm_bulk_dgrad tp_comm_bulk_wgrad tp_comm_overlap
+tp_comm_overlap_ag tp_comm_overlap_cfg tp_comm_overlap_disable_fc1 tp_comm_overlap_disable_qkv
+tp_comm_overlap_rs tp_comm_overlap_rs_dgrad tp_comm_split_ag tp_comm_split_rs tp_only_amax_red
+train_data_path train_iters train_samples train_sync_interval trust_remote_code
+use_checkpoint_args use_checkpoint_opt_param_scheduler use_cpu_initialization use_dist_ckpt
+use_dist_ckpt_deprecated use_flash_attn use_fused_weighted_squared_relu use_legacy_static_engine
+use_mamba_mem_eff_path use_mp_args_from_checkpoint_args use_one_sent_docs
+use_persistent_ckpt_worker use_pytorch_profiler use_ring_exchange_p2p use_rope_scaling use_sharp
+use_te_activation_func use_te_rng_tracker use_tokenizer_model_from_checkpoint_args
+use_torch_optimizer_for_cpu_offload v_head_dim valid_data_path variable_seq_lengths
+vision_backbone_type vision_pretraining vision_pretraining_type vocab_extra_ids vocab_file
+wandb_entity wandb_exp_name wandb_project wandb_save_dir warmup weight_decay
+weight_decay_incr_style wgrad_deferral_limit window_attn_skip_freq window_size yaml_cfg
+""".split())
+
+# megatron-core config fields named differently from Megatron-LM's arguments.
+_CORE_NAMES = {
+    "num_moe_experts": "num_experts",
+    "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+    "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
+    "fp8_param": "fp8_param_gather",
+}
+_DDP_NAMES = {
+    "bucket_size": "ddp_bucket_size",
+    "pad_buckets_for_high_nccl_busbw": "ddp_pad_buckets_for_high_nccl_busbw",
+}
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16",
+           "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+class UnknownArgumentsWarning(UserWarning):
+    """Some of a job's argument names are in none of DynaTrain's lists and were not read."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A spec read from a job, with what was not read.
+
+    Attributes:
+        spec: the validated layout spec.
+        unknown: names in none of ``MAPPED``, ``UNSUPPORTED`` or ``IGNORED`` (not read).
+        notes: facts the job did not give and how they were filled in.
+    """
+
+    spec: LayoutSpec
+    unknown: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def warning(self) -> str | None:
+        """One line naming the unknown names, or None when every name is known."""
+        if not self.unknown:
+            return None
+        shown = ", ".join(self.unknown[:20])
+        more = f" and {len(self.unknown) - 20} more" if len(self.unknown) > 20 else ""
+        return (f"{len(self.unknown)} argument(s) unknown to DynaTrain were not read; check that "
+                f"none changes the layout: {shown}{more}")
+
+
+def spec_from_megatron(args_or_config: Any, world: Any, *, ddp_config: Any = None,
+                       extra: Mapping[str, Any] | None = None,
+                       name: str | None = None) -> LayoutSpec:
+    """The ``LayoutSpec`` of a Megatron job; warns (``UnknownArgumentsWarning``) about names
+    it did not read. See ``read_megatron`` for the arguments."""
+    job = read_megatron(args_or_config, world, ddp_config=ddp_config, extra=extra, name=name)
+    if (line := job.warning()) is not None:
+        warnings.warn(line, UnknownArgumentsWarning, stacklevel=2)
+    return job.spec
+
+
+def read_megatron(args_or_config: Any, world: Any, *, ddp_config: Any = None,
+                  extra: Mapping[str, Any] | None = None, name: str | None = None) -> JobSpec:
+    """Map a job's settings onto a spec.
+
+    Args:
+        args_or_config: Megatron-LM's ``args`` (Namespace or mapping of its argument names), or
+            a megatron-core ``TransformerConfig`` (any dataclass with its fields).
+        world: ``{"nodes": N, "gpus_per_node": G}`` (optionally ``first_node``), ``{"devices":
+            [...]}``, or for a running job ``{"world_size": W, "gpus_per_node": G}`` or the
+            pair ``(W, G)``.
+        ddp_config: megatron-core's ``DistributedDataParallelConfig`` (config path only).
+        extra: more settings in Megatron-LM's argument names; they win over the others.
+        name: the spec's name; by default one is made from the sizes.
+
+    Raises:
+        SpecError: one line naming the argument: unsupported, inconsistent or invalid.
+
+    Example:
+        >>> job = read_megatron({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        ...     "padded_vocab_size": 1024, "position_embedding_type": "rope",
+        ...     "transformer_impl": "local", "bf16": True, "tensor_model_parallel_size": 2},
+        ...     (4, 4))
+        >>> (job.spec.parallel.tp, job.spec.world.nodes, job.spec.state.param)
+        (2, 1, 'bf16')
+    """
+    if isinstance(args_or_config, Mapping):
+        raw, labels, source = dict(args_or_config), {}, "args"
+        if ddp_config is not None:
+            raise SpecError("ddp_config", "goes with a TransformerConfig; Megatron-LM's args "
+                            "already hold the DDP settings")
+    elif dataclasses.is_dataclass(args_or_config) and not isinstance(args_or_config, type):
+        raw, labels = _from_core(args_or_config, ddp_config)
+        source = "config"
+    elif hasattr(args_or_config, "__dict__") and not isinstance(args_or_config, type):
+        raw, labels, source = dict(vars(args_or_config)), {}, "args"
+    else:
+        raise SpecError("args", "must be Megatron-LM's args (a Namespace or a mapping) or a "
+                        "megatron-core TransformerConfig", type(args_or_config).__name__)
+    raw.update(extra or {})
+    for key in raw:
+        if not isinstance(key, str):
+            raise SpecError("args", "argument names must be strings", key)
+    known = MAPPED | UNSUPPORTED.keys() | IGNORED | labels.keys()
+    unknown = tuple(sorted(k for k in raw if k not in known))
+    a = {**_DEFAULTS, **{k: v for k, v in raw.items() if k in MAPPED or k in UNSUPPORTED}}
+
+    def label(arg: str) -> str:  # the name the caller used for an argument
+        return labels.get(arg, arg)
+
+    _refuse_unsupported(a, label)
+    doc, origin, notes = _document(a, world, label, training=source == "args")
+    if name is not None:
+        doc["name"] = name
+    try:
+        spec = spec_from_dict(doc, origin="spec")
+    except SpecError as err:
+        # The argument behind the field (or behind the list the bad entry is in).
+        field = next((f for f in origin if err.field == f or err.field.startswith(f + ".")), None)
+        if field is None:
+            raise
+        raise SpecError(origin[field] + err.field[len(field):], err.rule, err.value) from None
+    return JobSpec(spec, unknown, tuple(notes))
+
+
+def _from_core(config: Any, ddp_config: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """A TransformerConfig (+ DDP config) as Megatron-LM argument names; labels map back."""
+    out: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    for obj, names in ((config, _CORE_NAMES), (ddp_config, _DDP_NAMES)):
+        if obj is None:
+            continue
+        fields = [f.name for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) \
+            else list(vars(obj))
+        for field in fields:
+            arg = names.get(field, field)
+            out[arg] = getattr(obj, field)
+            if arg != field:
+                labels[arg] = field
+    gated = bool(out.pop("gated_linear_unit", False))
+    act = getattr(out.pop("activation_func", None), "__name__", None)
+    if gated and act != "silu":
+        raise SpecError("gated_linear_unit", "with an activation other than silu is not "
+                        "supported by DynaTrain yet (only SwiGLU)", act)
+    out["swiglu"] = gated
+    labels["swiglu"] = "gated_linear_unit"
+    groups = out.get("num_query_groups")
+    out["group_query_attention"] = groups is not None
+    for arg in ("params_dtype",):
+        if arg in out:
+            out[arg] = str(out[arg])
+    return out, labels
+
+
+def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:
+    for arg, (accepted, what) in UNSUPPORTED.items():
+        value = a.get(arg, "transformer_engine" if arg == "transformer_impl" else accepted[0])
+        if not any(value is ok or (type(value) is type(ok) and value == ok) for ok in accepted):
+            raise SpecError(label(arg), f"is not supported by DynaTrain yet ({what})",
+                            _plain(value))
+    if a["add_qkv_bias"] and not a["add_bias_linear"]:
+        raise SpecError(label("add_qkv_bias"), "is not supported by DynaTrain yet (QKV biases "
+                        "without add_bias_linear)", True)
+    if a["optimizer"] != "adam":
+        raise SpecError("optimizer", "is not supported by DynaTrain yet (only adam's state is "
+                        "modelled)", a["optimizer"])
+
+
+def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, training: bool
+              ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """The spec document, the argument behind each spec field, and notes."""
+    notes: list[str] = []
+    origin = {f"model.{k}": label(k) for k in _MODEL_SAME}
+    origin.update({"model.num_moe_experts": label("num_experts"),
+                   "model.swiglu": label("swiglu"), "model.vocab_size": label("vocab_size")})
+    origin.update({f"parallel.{short}": label(arg) for short, arg in _PARALLEL.items()})
+    origin.update({f"parallel.{k}": label(k) for k in _PARALLEL_SAME})
+    origin["parallel.bucket_size"] = label("ddp_bucket_size")
+    origin["parallel.order"] = label("use_tp_pp_dp_mapping")
+
+    model = {k: a[k] for k in _MODEL_SAME if a[k] is not None}
+    model["num_moe_experts"] = a["num_experts"]
+    model["swiglu"] = a["swiglu"]
+    if a["ffn_hidden_size"] is None and isinstance(a["hidden_size"], int):
+        h = a["hidden_size"]  # validate_args' default: SwiGLU keeps ~8h^2 MLP params
+        model["ffn_hidden_size"] = int((4 * h * 2 / 3) / 64) * 64 if a["swiglu"] else 4 * h
+    model["num_query_groups"] = a["num_query_groups"] if a["group_query_attention"] else None
+    if a["use_rotary_position_embeddings"]:
+        model["position_embedding_type"] = "rope"
+    model["moe_layer_freq"] = _moe_layer_freq(a["moe_layer_freq"], label("moe_layer_freq"))
+    tp = a["tensor_model_parallel_size"]
+    model["vocab_size"] = _vocab(a, tp, label, notes)
+    if model.get("position_embedding_type") == "learned_absolute" and (
+            a["max_position_embeddings"] is None):
+        raise SpecError(label("max_position_embeddings"),
+                        "is required with position_embedding_type learned_absolute")
+
+    parallel = {short: a[arg] for short, arg in _PARALLEL.items() if a[arg] is not None}
+    parallel.update({k: a[k] for k in _PARALLEL_SAME if a[k] is not None})
+    if parallel.get("etp") == tp:
+        del parallel["etp"]  # validate_args sets ETP = TP; the spec's None means the same
+    if a["ddp_bucket_size"] is not None:
+        parallel["bucket_size"] = a["ddp_bucket_size"]
+    parallel["order"] = "tp-cp-ep-pp-dp" if a["use_tp_pp_dp_mapping"] else "tp-cp-ep-dp-pp"
+    vpp = _vpp(a, label)
+    if vpp is not None:
+        parallel["vpp"] = vpp
+        origin["parallel.vpp"] = label(_vpp_source(a))
+
+    world_doc = _world(world)
+    size = len(world_doc["devices"]) if "devices" in world_doc else (
+        world_doc["nodes"] * world_doc["gpus_per_node"])
+    if a["world_size"] is not None and a["world_size"] != size:
+        raise SpecError(label("world_size"), f"disagrees with the world's {size} devices",
+                        a["world_size"])
+    mp = _int(tp) * _int(a["pipeline_model_parallel_size"]) * _int(a["context_parallel_size"])
+    if a["data_parallel_size"] is not None and mp and a["data_parallel_size"] * mp != size:
+        raise SpecError(label("data_parallel_size"), f"disagrees with {size} devices / "
+                        f"(tp*pp*cp={mp})", a["data_parallel_size"])
+    tpp = a["transformer_pipeline_model_parallel_size"]
+    if tpp is not None and tpp != a["pipeline_model_parallel_size"]:
+        raise SpecError(label("transformer_pipeline_model_parallel_size"),
+                        "disagrees with pipeline_model_parallel_size", tpp)
+    if training and a["overlap_grad_reduce"] and a["ddp_bucket_size"] is None and mp:
+        # Megatron-LM's training loop sizes the default bucket by the DP x CP group, where
+        # megatron-core's DDP (and a spec without bucket_size) uses DP only.
+        dp, cp = size // mp, _int(a["context_parallel_size"])
+        if max(40_000_000, 1_000_000 * dp * cp) != max(40_000_000, 1_000_000 * dp):
+            parallel["bucket_size"] = 1_000_000 * dp * cp
+            notes.append(f"bucket_size: Megatron-LM's default for DP*CP={dp * cp}")
+
+    doc = {"name": _name(a, size, mp), "model": model, "parallel": parallel, "world": world_doc,
+           "state": _state(a, label)}
+    return doc, origin, notes
+
+
+_MODEL_SAME = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+    "make_vocab_size_divisible_by", "max_position_embeddings", "position_embedding_type",
+    "normalization", "untie_embeddings_and_output_weights", "add_bias_linear", "qk_layernorm",
+    "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate", "moe_router_enable_expert_bias", "moe_router_score_function",
+    "num_query_groups", "moe_layer_freq",
+)
+_PARALLEL = {
+    "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+    "cp": "context_parallel_size", "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
+}
+_PARALLEL_SAME = (
+    "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+    "use_distributed_optimizer", "num_distributed_optimizer_instances", "overlap_grad_reduce",
+)
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+def _vocab(a: dict[str, Any], tp: Any, label: Callable[[str], str], notes: list[str]) -> Any:
+    """The tokenizer's vocabulary (what Megatron pads), checked against padded_vocab_size."""
+    padded, vocab, m = a["padded_vocab_size"], a["vocab_size"], a["make_vocab_size_divisible_by"]
+    if vocab is not None and a["tokenizer_type"] == "NullTokenizer" and _int(vocab):
+        vocab += 1  # Megatron-LM's NullTokenizer appends an EOD token
+    if padded is None:
+        if vocab is None:
+            raise SpecError(label("padded_vocab_size"), "is required (or vocab_size): "
+                            "Megatron-LM sets it once the tokenizer is built")
+        return vocab
+    mult = _int(m) * _int(tp)
+    if not _int(padded) or not mult:
+        return padded  # the spec's own checks name the bad value
+    if vocab is None:
+        if padded % mult:
+            raise SpecError(label("padded_vocab_size"), f"must be a multiple of "
+                            f"make_vocab_size_divisible_by*tensor_model_parallel_size={mult}",
+                            padded)
+        notes.append(f"vocab_size: unknown; the padded {padded} rows are taken as the "
+                     "vocabulary, so another TP pads from there")
+        return padded
+    if _int(vocab) and -(-vocab // mult) * mult != padded:
+        raise SpecError(label("padded_vocab_size"), f"disagrees with a vocabulary of {vocab} "
+                        f"padded to a multiple of {mult} ({-(-vocab // mult) * mult})", padded)
+    return vocab
+
+
+def _vpp_source(a: dict[str, Any]) -> str:
+    for arg in ("virtual_pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank",
+                "num_layers_per_virtual_pipeline_stage"):
+        if a[arg] is not None:
+            return arg
+    return "virtual_pipeline_model_parallel_size"
+
+
+def _vpp(a: dict[str, Any], label: Callable[[str], str]) -> Any:
+    """validate_args' virtual pipeline size; None for no interleaving."""
+    given = a["virtual_pipeline_model_parallel_size"]
+    derived = a["num_virtual_stages_per_pipeline_rank"]
+    per_stage = a["num_layers_per_virtual_pipeline_stage"]
+    if per_stage is not None:
+        arg = label("num_layers_per_virtual_pipeline_stage")
+        if derived is not None:
+            raise SpecError(arg, "cannot be combined with num_virtual_stages_per_pipeline_rank")
+        if a["decoder_first_pipeline_num_layers"] or a["decoder_last_pipeline_num_layers"]:
+            raise SpecError(arg, "cannot be combined with uneven first/last stages; give "
+                            "num_virtual_stages_per_pipeline_rank", per_stage)
+        n, pp = a["num_layers"], a["pipeline_model_parallel_size"]
+        if not (_int(per_stage) and _int(n) and _int(pp)):
+            raise SpecError(arg, "must be a positive integer", per_stage)
+        n += bool(a["account_for_embedding_in_pipeline_split"]) + bool(
+            a["account_for_loss_in_pipeline_split"])
+        if n % pp or (n // pp) % per_stage:
+            raise SpecError(arg, f"must divide the {n / pp:g} layers of each pipeline stage",
+                            per_stage)
+        derived = (n // pp) // per_stage
+    if given is not None and derived is not None and given != derived:
+        source = "num_layers_per_virtual_pipeline_stage" if per_stage is not None else (
+            "num_virtual_stages_per_pipeline_rank")
+        raise SpecError(label("virtual_pipeline_model_parallel_size"),
+                        f"disagrees with {source} (which gives {derived})", given)
+    vpp = given if given is not None else derived
+    return None if vpp == 1 else vpp
+
+
+def _moe_layer_freq(v: Any, arg: str) -> Any:
+    """An int, a 0/1 list, or Megatron-LM's pattern string such as ``([0]*1+[1]*47)``."""
+    if isinstance(v, list):
+        return tuple(v)
+    if not isinstance(v, str):
+        return v
+    text = v.strip().strip("'\"")
+    try:
+        if "[" not in text:
+            return int(text)
+        out = _pattern(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        out = None
+    if not isinstance(out, list) or len(out) > 10_000:
+        raise SpecError(arg, "must be an int, a 0/1 list or a pattern like ([0]*1+[1]*47)",
+                        v[:60])
+    return tuple(out)
+
+
+def _pattern(node: ast.AST) -> Any:
+    """Evaluate ints, lists of ints, + and * only: no names, no calls, bounded size."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        return [_pattern(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern(node.left), _pattern(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+        if isinstance(node.op, ast.Mult):
+            n, seq = (right, left) if isinstance(left, list) else (left, right)
+            if isinstance(seq, list) and isinstance(n, int) and 0 <= n * len(seq) <= 10_000:
+                return seq * n
+    raise ValueError("not a 0/1 pattern")
+
+
+def _world(world: Any) -> dict[str, Any]:
+    if isinstance(world, (tuple, list)) and len(world) == 2:
+        world = {"world_size": world[0], "gpus_per_node": world[1]}
+    if not isinstance(world, Mapping):
+        raise SpecError("world", "must be {nodes, gpus_per_node}, {devices} or (world_size, "
+                        "gpus_per_node)", type(world).__name__)
+    doc = dict(world)
+    if "world_size" in doc:
+        w, g = doc.pop("world_size"), doc.get("gpus_per_node")
+        if not (_int(w) and _int(g)) or w % g:
+            raise SpecError("world.world_size", "must be a positive multiple of gpus_per_node",
+                            w)
+        doc["nodes"] = w // g
+    if "devices" in doc and isinstance(doc["devices"], (list, tuple)):
+        return doc
+    if not (_int(doc.get("nodes")) and _int(doc.get("gpus_per_node"))):
+        raise SpecError("world", "needs positive nodes and gpus_per_node, or a devices list")
+    return doc
+
+
+def _dtype(v: Any, arg: str) -> str:
+    text = str(v).lower().removeprefix("torch.")
+    if text not in _DTYPES:
+        raise SpecError(arg, "is not supported by DynaTrain yet (only fp32, bf16, fp16)",
+                        _plain(v))
+    return _DTYPES[text]
+
+
+def _state(a: dict[str, Any], label: Callable[[str], str]) -> dict[str, Any]:
+    if a["bf16"] and a["fp16"]:
+        raise SpecError(label("fp16"), "cannot be combined with bf16", True)
+    param = "bf16" if a["bf16"] else "fp16" if a["fp16"] else "fp32"
+    if a["params_dtype"] is not None and _dtype(a["params_dtype"], label("params_dtype")) != param:
+        raise SpecError(label("params_dtype"), f"disagrees with bf16={bool(a['bf16'])}, "
+                        f"fp16={bool(a['fp16'])}", _plain(a["params_dtype"]))
+    precise = a["use_precision_aware_optimizer"]
+    kind = {k: _dtype(a[k], k) if precise else "fp32"
+            for k in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")}
+    # fp32 training has no separate main params: the optimizer steps the params themselves.
+    return {"param": param, "main_param": None if param == "fp32" else kind["main_params_dtype"],
+            "exp_avg": kind["exp_avg_dtype"], "exp_avg_sq": kind["exp_avg_sq_dtype"]}
+
+
+def _name(a: dict[str, Any], size: int, mp: int) -> str:
+    sizes = [("TP", a["tensor_model_parallel_size"]), ("PP", a["pipeline_model_parallel_size"]),
+             ("CP", a["context_parallel_size"]), ("EP", a["expert_model_parallel_size"])]
+    parts = [f"{k}{v}" for k, v in sizes if v not in (None, 1)]
+    if mp:
+        parts.append(f"DP{size // mp}")
+    return f"Megatron job on {size} GPUs, " + " ".join(parts)
+
+
+def _plain(v: Any) -> Any:
+    return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)

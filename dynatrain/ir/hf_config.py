@@ -1,0 +1,193 @@
+"""A spec's ``model`` from a HuggingFace ``config.json`` (Llama, Qwen3, Qwen3-MoE, Mixtral).
+
+``model_from_hf_config(config)`` gives the mapping of Megatron argument names that a spec's
+``model:`` takes, the way Megatron-Bridge-style converters set a Megatron GPT model up from those
+checkpoints: RMSNorm, SwiGLU, RoPE, no linear biases, one KV group per KV head. Keys that change
+the parameters are read (``HF_MAPPED``) or refused when set to something Megatron's local GPT
+layers do not build; keys with no effect on the parameters (rope settings, norm epsilon, token
+ids, dtype) are in ``HF_IGNORED``; anything else is listed by ``read_hf_config`` as unknown.
+Megatron training choices that a config.json does not hold (``make_vocab_size_divisible_by``)
+keep the spec's defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import SpecError
+from .loader import spec_from_dict
+from .spec import LayoutSpec
+
+# architecture -> (model_type, MoE keys it uses or None for dense, qk norm)
+ARCHITECTURES: dict[str, tuple[str, str | None, bool]] = {
+    "LlamaForCausalLM": ("llama", None, False),
+    "Qwen3ForCausalLM": ("qwen3", None, True),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe", True),
+    "MixtralForCausalLM": ("mixtral", "mixtral", False),
+}
+HF_MAPPED = frozenset("""
+architectures model_type hidden_size intermediate_size num_hidden_layers num_attention_heads
+num_key_value_heads head_dim vocab_size tie_word_embeddings max_position_embeddings hidden_act
+attention_bias mlp_bias num_experts num_local_experts num_experts_per_tok moe_intermediate_size
+decoder_sparse_step mlp_only_layers
+""".split())
+HF_IGNORED = frozenset("""
+_name_or_path attention_dropout bos_token_id eos_token_id pad_token_id initializer_range
+rms_norm_eps rope_theta rope_scaling rope_parameters partial_rotary_factor pretraining_tp
+use_cache torch_dtype dtype transformers_version max_window_layers sliding_window
+use_sliding_window layer_types norm_topk_prob output_router_logits router_aux_loss_coef
+router_jitter_noise
+""".split())
+
+
+@dataclass(frozen=True, slots=True)
+class HFModel:
+    """A spec ``model`` mapping read from a config.json, and the keys that were not read."""
+
+    model: dict[str, Any]
+    unknown: tuple[str, ...] = ()
+
+
+def model_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec ``model`` mapping (Megatron argument names) of a HuggingFace config.json.
+
+    Raises:
+        SpecError: an unknown architecture or a setting Megatron's GPT layers do not build, in
+            one line naming the config key (``config.<key>``).
+
+    Example:
+        >>> cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+        ...        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        ...        "num_key_value_heads": 2, "vocab_size": 1000}
+        >>> model_from_hf_config(cfg)["num_query_groups"]
+        2
+    """
+    return read_hf_config(config).model
+
+
+def read_hf_config(config: Mapping[str, Any]) -> HFModel:
+    """``model_from_hf_config`` plus the keys in neither ``HF_MAPPED`` nor ``HF_IGNORED``."""
+    if not isinstance(config, Mapping):
+        raise SpecError("config", "a HuggingFace config must be a JSON object",
+                        type(config).__name__)
+    arch = _architecture(config)
+    model_type, moe, qk_norm = ARCHITECTURES[arch]
+    if config.get("hidden_act", "silu") != "silu":
+        raise SpecError("config.hidden_act", "is not supported by DynaTrain yet (only silu: "
+                        "SwiGLU)", config.get("hidden_act"))
+    heads = _positive(config, "num_attention_heads")
+    hidden = _positive(config, "hidden_size")
+    head_dim = config.get("head_dim")
+    model: dict[str, Any] = dict(
+        num_layers=_positive(config, "num_hidden_layers"),
+        hidden_size=hidden,
+        ffn_hidden_size=_positive(config, "intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=_positive(config, "num_key_value_heads", heads),
+        kv_channels=hidden // heads if head_dim is None else _positive(config, "head_dim"),
+        vocab_size=_positive(config, "vocab_size"),
+        max_position_embeddings=_positive(config, "max_position_embeddings", 4096),
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        untie_embeddings_and_output_weights=not _flag(config, "tie_word_embeddings"),
+        add_bias_linear=_biases(config, arch),
+        qk_layernorm=qk_norm,
+    )
+    if head_dim is None and hidden % heads:
+        raise SpecError("config.hidden_size", f"must be divisible by num_attention_heads="
+                        f"{heads} (or set head_dim)", hidden)
+    if moe == "mixtral":
+        model.update(num_moe_experts=_positive(config, "num_local_experts"),
+                     moe_router_topk=_positive(config, "num_experts_per_tok"),
+                     moe_ffn_hidden_size=model["ffn_hidden_size"])
+    elif moe == "qwen3_moe" and config.get("num_experts", 0):
+        model.update(num_moe_experts=_positive(config, "num_experts"),
+                     moe_router_topk=_positive(config, "num_experts_per_tok"),
+                     moe_ffn_hidden_size=_positive(config, "moe_intermediate_size"))
+        pattern = _qwen3_moe_layers(config, model["num_layers"])
+        model["moe_layer_freq"] = 1 if all(pattern) else pattern
+    unknown = tuple(sorted(str(k) for k in config if k not in HF_MAPPED and k not in HF_IGNORED))
+    return HFModel(model, unknown)
+
+
+def spec_from_hf_config(config: Mapping[str, Any], parallel: Mapping[str, Any],
+                        world: Mapping[str, Any], *, name: str | None = None,
+                        state: Mapping[str, Any] | None = None) -> LayoutSpec:
+    """A validated spec: the model of ``config`` plus a spec's ``parallel``/``world``/``state``."""
+    doc: dict[str, Any] = {"model": model_from_hf_config(config), "parallel": dict(parallel),
+                           "world": dict(world)}
+    if name is not None:
+        doc["name"] = name
+    if state is not None:
+        doc["state"] = dict(state)
+    return spec_from_dict(doc)
+
+
+def parse_assignments(text: str, field: str) -> dict[str, Any]:
+    """``"tp=8,pp=4,overlap_grad_reduce=true"`` as a mapping (ints and booleans converted).
+
+    ``field`` names the option in the one-line ``SpecError`` for a malformed entry.
+    """
+    out: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise SpecError(field, "entries look like key=value, separated by commas", item)
+        if key in out:
+            raise SpecError(f"{field}.{key}", "is given twice", value)
+        low = value.lower()
+        out[key] = (True if low == "true" else False if low == "false"
+                    else int(value) if value.lstrip("-").isdigit() else value)
+    return out
+
+
+def _architecture(config: Mapping[str, Any]) -> str:
+    archs = config.get("architectures")
+    if archs is None:  # older configs: fall back on model_type
+        by_type = {t: a for a, (t, _, _) in ARCHITECTURES.items()}
+        if config.get("model_type") in by_type:
+            return by_type[config["model_type"]]
+        archs = [config.get("model_type")]
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise SpecError("config.architectures", "is not supported by DynaTrain yet; known: "
+                        + ", ".join(ARCHITECTURES), archs if isinstance(archs, list) else archs)
+    return str(archs[0])
+
+
+def _positive(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if value is None and default is not None:
+        value = default
+    if type(value) is not int or value < 1:
+        raise SpecError(f"config.{key}", "must be a positive integer", value)
+    return value
+
+
+def _flag(config: Mapping[str, Any], key: str) -> bool:
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise SpecError(f"config.{key}", "must be true or false", value)
+    return value
+
+
+def _biases(config: Mapping[str, Any], arch: str) -> bool:
+    """Megatron's add_bias_linear covers QKV, output projection and both MLP linears at once."""
+    attn = _flag(config, "attention_bias")
+    mlp = _flag(config, "mlp_bias") if arch == "LlamaForCausalLM" else attn
+    if attn != mlp:
+        raise SpecError("config.attention_bias", "is not supported by DynaTrain yet (attention "
+                        "and MLP biases must be both on or both off)", attn)
+    return attn
+
+
+def _qwen3_moe_layers(config: Mapping[str, Any], n: int) -> tuple[int, ...]:
+    """HF's rule: layer i is sparse unless listed in mlp_only_layers, every step-th layer."""
+    step = _positive(config, "decoder_sparse_step", 1)
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(type(i) is int for i in dense):
+        raise SpecError("config.mlp_only_layers", "must be a list of layer indexes", dense)
+    return tuple(int(i not in dense and (i + 1) % step == 0) for i in range(n))

@@ -32,6 +32,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+import pytest
+
 from dynatrain.ir.loader import spec_from_dict
 from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous, SwitchFailed, SwitchResult)
 from dynatrain.verify.check import check
@@ -235,6 +237,8 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
                for n in ("node0:gpu0", "node0:gpu1", "node0:gpu2", "fresh-node0:gpu3"))
 
 
+@pytest.mark.slow  # deep profile: worlds shrink and grow in the test above; MoE switches in
+# tests/test_live_switch.py (bind) and tests/test_gate_runtime.py
 def test_moe_world_change_with_ep_and_etp() -> None:
     """MoE with the router's expert_bias: EP2·ETP2 on 4 -> EP2·ETP1 on 2 (gpu2-3 exit) ->
     EP4 on 4 with two freshly started processes."""

@@ -12,6 +12,7 @@ import pytest
 
 import dynatrain as dt
 from dynatrain.cli import main
+from dynatrain.ir.units import format_bytes as _format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SRC, TINY_DST = "specs/tiny-gpt/tp2-dp2.yaml", "specs/tiny-gpt/pp2-dp2.yaml"
@@ -129,3 +130,23 @@ def test_plan_from_survivors_names_what_is_lost(tmp_path, capsys) -> None:
     assert "lost    state lost: 6 tensors" in dt.summarize(switch)
     assert main(["plan", SRC, dst96, "--failed", "node99"]) == 2  # not a device of the job
     assert capsys.readouterr().err.startswith("dynatrain: error: --failed")
+
+
+def test_derive_param_summary_counts_the_dp_all_gather() -> None:
+    from dynatrain.ir.loader import spec_to_dict
+    from dynatrain.ir.summary import bytes_by_kind
+    from dynatrain.planner.cost import H100
+    from dynatrain.planner.derive_cost import derived_param_gather
+
+    doc = spec_to_dict(dt.load_layout(TINY_DST).spec)
+    doc["state"] = {**doc.get("state", {}), "derive_param": True}
+    dst = dt.load_layout(doc)
+    switch = dt.plan(TINY_SRC, dst, budget="1MiB")
+    g = derived_param_gather(dst, H100)
+    # Each DP group owns every param element once: a rank receives what it holds but does not
+    # own, so the group receives (dp - 1) / dp of the params it holds.
+    params = next(k for k in bytes_by_kind(dst) if k.kind == "param").total_bytes
+    assert g.total_bytes * dst.dp == params * (dst.dp - 1) and g.total_bytes > 0
+    text = dt.summarize(switch)
+    assert "all-gathers the rest over DP" in text
+    assert f"{_format_bytes(g.total_bytes)} in all" in text

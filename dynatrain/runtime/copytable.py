@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .storage import row_major_strides
+
 try:  # optional: the runtime works without Triton (the torch path)
     import triton
     import triton.language as tl
@@ -237,22 +239,14 @@ def _layout(side: torch.Tensor | int, shape: tuple[int, ...], base: int, start: 
     """Byte offset from the anchor at ``base`` (or into the region, whose part begins at
     ``start``) and byte strides."""
     if isinstance(side, int):
-        return start + side, _row_major(shape)
+        return start + side, row_major_strides(shape)
     return side.data_ptr() - base, tuple(side.stride())
-
-
-def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, n = [], 1
-    for size in reversed(shape):
-        out.append(n)
-        n *= size
-    return tuple(reversed(out))
 
 
 def _view(side: torch.Tensor | int, shape: tuple[int, ...], region: torch.Tensor | None,
           start: int) -> torch.Tensor:
     if isinstance(side, int):
-        return region.as_strided(shape, _row_major(shape),
+        return region.as_strided(shape, row_major_strides(shape),
                                  region.storage_offset() + start + side)
     return side
 

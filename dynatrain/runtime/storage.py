@@ -168,7 +168,7 @@ class ByteViews:
         return out
 
 
-def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, n = [], 1
     for size in reversed(shape):
         out.append(n)
@@ -194,7 +194,7 @@ def _geometry(t: torch.Tensor, slot: Slot, anchor: Box, box: Box
             ok = ok and o + ahi[lead + d] - alo[lead + d] <= m
         if not ok:
             raise LayoutError(f"slot {slot} cannot view anchor {anchor} of its storage {ts}")
-        rm = _row_major(ts)
+        rm = row_major_strides(ts)
         off = 0
         for d, (o, s) in enumerate(zip(slot.local_offset, rm)):
             off += (o + blo[lead + d] - alo[lead + d]) * s
@@ -207,7 +207,7 @@ def _geometry(t: torch.Tensor, slot: Slot, anchor: Box, box: Box
         if (flat and t.dim() != 1) or off + n > t.numel() or (not flat and n != t.numel()):
             raise LayoutError(f"slot {slot} cannot view anchor {anchor} of its storage "
                               f"{tuple(t.shape)}")
-        rm = _row_major(ash)
+        rm = row_major_strides(ash)
         for b, a, s in zip(blo, alo, rm):
             off += (b - a) * s
         return rm, off

@@ -21,42 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
+import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from dynatrain.runtime import fingerprint as fp
 from dynatrain.runtime.storage import row_blocks
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pack_bench import _timer  # noqa: E402  (best of repeats; CUDA events on a GPU)
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "fingerprint_bench.json"
 MiB = 1 << 20
 ROW = 8 << 10  # bytes per row of the strided case
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    """Best seconds of ``repeats`` runs of ``fn`` on ``device`` (CUDA events on a GPU)."""
-    def best(fn: Callable[[], object], repeats: int) -> float:
-        fn()  # warm: allocator, caches, kernel compilation
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize(device)
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return min(times)
-    return best
 
 
 # ----- the previous implementation (git c00e76c), for comparison ---------------------------------

@@ -181,7 +181,8 @@ def process_devices(plan: Plan) -> tuple[str, ...]:
     so a switch runs in the job's group as it is (a sorted order would put node10 before
     node2 and break that from 11 nodes on).
     """
-    union = dict.fromkeys(plan.src_devices)
+    gone = set(plan.stats.get("failed", ()))  # devices that died run no process
+    union = dict.fromkeys(d for d in plan.src_devices if d not in gone)
     for d in plan.dst_devices:
         union.setdefault(d)
     return tuple(union)

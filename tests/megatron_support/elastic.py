@@ -47,9 +47,10 @@ SEQ = live.SEQ
 
 def run_processes(fns: dict[str, Callable[[dist.Store], Any]], *,
                   late: dict[str, tuple[str, Callable[[dist.Store], Any]]] | None = None,
-                  timeout: float = 240.0) -> dict[str, Any]:
+                  timeout: float = 240.0, may_die: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run ``fns[name](store)`` in forked processes, and ``late[name] = (key, fn)`` once ``key``
-    is set in the store; return every process's result by name."""
+    is set in the store; return every process's result by name (``may_die``: processes that
+    may end killed by SIGKILL, without a result)."""
     if dist.is_initialized() or ps.model_parallel_is_initialized():
         raise RuntimeError("run_processes needs a parent without a process group")
     late = dict(late or {})
@@ -72,10 +73,13 @@ def run_processes(fns: dict[str, Callable[[dist.Store], Any]], *,
                     if store.check([f"test/{key}"]):
                         del late[name]
                         start(name, fn)
-                failed = [n for n, p in procs.items() if p.exitcode not in (None, 0)]
+                killed = {n for n, p in procs.items()
+                          if n in may_die and p.exitcode == -signal.SIGKILL}
+                failed = [n for n, p in procs.items()
+                          if p.exitcode not in (None, 0) and n not in killed]
                 if failed:
                     raise _error(tmpdir, failed)
-                if all(p.exitcode == 0 for p in procs.values()):
+                if all(p.exitcode == 0 or n in killed for n, p in procs.items()):
                     if late:
                         raise RuntimeError(f"never started: {sorted(late)}")
                     break
@@ -91,7 +95,7 @@ def run_processes(fns: dict[str, Callable[[dist.Store], Any]], *,
                     pass
                 p.join(timeout=5)
         return {n: torch.load(os.path.join(tmpdir, f"{n}.pt"), weights_only=False)
-                for n in procs}
+                for n in procs if n not in killed}
 
 
 def trigger(store: dist.Store, key: str) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...ir.errors import DynatrainError
+from ...ir.errors import EXIT_ABORTED, EXIT_BAD_INPUT, DynatrainError
 from ...ir.layout import Layout
 from ...ir.spec import LayoutSpec
 from ...planner.plan import Plan
@@ -31,6 +31,12 @@ class MegatronJob:
 
 Builder = Callable[[LayoutSpec], MegatronJob]  # build a fresh job in the current parallel state
 Verifier = Callable[[Plan, Layout, Layout], object]  # raises if the plan breaks a rule
+# Plan reading the lost ranges (a planner.lost.LostState) of a checkpoint into one rank of a
+# layout: (checkpoint, layout, rank, lost) -> (the checkpoint's Adam step or None, a function
+# that writes them into that rank's storage). Raises DynatrainError (exit status 2) for a
+# checkpoint it refuses. Passed in (see dynatrain.checkpoint): the runtime layer does not
+# import the checkpoint reader.
+Refill = Callable[[str, Layout, int, Any], tuple[int | None, Callable[[dict], object]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,9 @@ class SwitchResult:
     seconds: dict[str, float] = field(default_factory=dict)
     role: str = "stayed"
     generation: int | None = None
+    # After ``LiveSwitcher.recover``: the failed devices, the destination's grid, the lost
+    # bytes and what this rank refilled from the checkpoint (empty after a switch).
+    recovery: dict = field(default_factory=dict)
 
 
 class SwitchFailed(DynatrainError):
@@ -79,6 +88,20 @@ class SwitchFailed(DynatrainError):
     def __init__(self, message: str, job: MegatronJob | None) -> None:
         self.job = job
         super().__init__(message)
+
+
+class RecoveryFailed(SwitchFailed):
+    """A recovery did not happen; ``job`` is the job passed to ``recover``, state untouched
+    (its process groups are not usable: a member died), so ``recover`` may be retried.
+
+    ``exit_code`` is 2 when the input was refused (a checkpoint that is missing, truncated, of
+    another model, of an unknown format version or of another step; a destination that does
+    not fit), else 4 (a process died, timed out or voted no while recovering).
+    """
+
+    def __init__(self, message: str, job: MegatronJob | None, bad_input: bool) -> None:
+        super().__init__(message, job)
+        self.exit_code = EXIT_BAD_INPUT if bad_input else EXIT_ABORTED
 
 
 def parallel_kwargs(spec: LayoutSpec) -> dict:

@@ -50,6 +50,13 @@ in re-formed source groups holding the same state bit for bit. The source state 
 read. A process that dies during the final vote may leave others committed (the limit of any
 commit protocol); a dead source process leaves nothing to roll back to.
 
+**Recovery** (``recover``, ``recovery.py``): when a member dies without notice, the survivors
+agree through the store on who is gone (a roll call bounded by ``timeout``, cut short by the
+heartbeats that ``heartbeat=`` starts; ``unresponsive()`` lets a training loop notice between
+iterations), switch to a layout on the survivors (given, or the top of ``suggest``), refill
+exactly the state only the dead held from the dist checkpoint of the current step (``refill``),
+and train on; a refused checkpoint changes nothing.
+
 Under torchrun: give each process a device name (``node<N>:gpu<local_rank>``), a ``Rendezvous``
 on the agent's store (``TCPStore(MASTER_ADDR, MASTER_PORT, is_master=False)``) and a fresh
 prefix per job; processes outside the first layout start as spares. The verifier is passed in
@@ -60,7 +67,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -77,8 +86,9 @@ from ...planner.serialize import plan_to_json
 from ..executor import SwitchAborted, switch
 from ..headroom import check_switch_headroom, job_cuda_device
 from .bridge import bind_state, extract_state, install_step
-from .job import (Builder, MegatronJob, Prepared, SwitchFailed, SwitchResult, Verifier, carried,
-                  carry_into, parallel_kwargs)
+from .job import (Builder, MegatronJob, Prepared, Refill, SwitchFailed, SwitchResult, Verifier,
+                  carried, carry_into, parallel_kwargs)
+from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
 from .world import WorldSwitch
 
@@ -101,6 +111,13 @@ class LiveSwitcher:
             ``create_gloo_process_groups``), used for every layout.
         check_transfers: compare every transfer's fingerprint at both ends before a switch
             commits (``executor.switch``).
+        heartbeat: seconds between two beats of this process's heartbeat in the rendezvous
+            (a daemon thread; None: no heartbeat). With heartbeats, ``unresponsive`` names
+            processes that stopped, and ``recover`` stops waiting for them early.
+        stale_after: seconds without a beat after which a device counts as dead (default:
+            ten heartbeats, at least one second).
+        refill: plans filling lost state from a checkpoint for ``recover`` (``job.Refill``;
+            e.g. built on ``dynatrain.checkpoint.plan_load(..., only=lost)``).
 
     Example:
         >>> sw = LiveSwitcher(spec_a, "node0:gpu3", build, check, rendezvous=rdzv)  # doctest: +SKIP
@@ -113,7 +130,8 @@ class LiveSwitcher:
                  *, rendezvous: Rendezvous | None = None, budget_bytes: int = 2 << 30,
                  timeout: float = 60.0, group: dist.ProcessGroup | None = None,
                  topology: Topology = H100, init_kwargs: dict | None = None,
-                 check_transfers: bool = False) -> None:
+                 check_transfers: bool = False, heartbeat: float | None = None,
+                 stale_after: float | None = None, refill: Refill | None = None) -> None:
         self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
         if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
@@ -131,6 +149,15 @@ class LiveSwitcher:
         self._generation = 0  # the last switch announced in the rendezvous that this job saw
         self._open: int | None = None  # announced, neither gone nor cancelled yet
         self._watch: int | None = None  # a spare's next announcement to look at
+        self.refill = refill
+        self._heartbeat = self.liveness = None
+        if heartbeat is not None:
+            if rendezvous is None or not heartbeat > 0:
+                raise LayoutError(f"heartbeat: needs a rendezvous and seconds > 0 (got "
+                                  f"{heartbeat!r})")
+            self._heartbeat = Heartbeat(rendezvous, device, float(heartbeat))
+            self.liveness = Liveness(rendezvous, stale_after if stale_after is not None
+                                     else max(10 * float(heartbeat), 1.0))
 
     @property
     def active(self) -> bool:
@@ -354,6 +381,60 @@ class LiveSwitcher:
         if prep.generation is not None:
             self._generation = prep.generation
 
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def unresponsive(self) -> tuple[str, ...]:
+        """Devices of the job whose heartbeat stopped for ``stale_after`` seconds, in rank
+        order (a training loop polls it between iterations; the first calls only start the
+        clock). Needs ``heartbeat``."""
+        if self.liveness is None or self.layout is None:
+            raise DynatrainError("unresponsive() needs a heartbeat and a running rank")
+        gone = self.liveness.stale(self.layout.devices)
+        return tuple(d for d in self.layout.devices if d in gone)
+
+    def recover(self, job: MegatronJob, failed: Iterable[str] | None = None,
+                dst_spec: LayoutSpec | None = None,
+                checkpoint: str | os.PathLike[str] | None = None) -> SwitchResult:
+        """Go on without the processes that stopped answering (every surviving process of the
+        job calls it; see ``recovery.py``).
+
+        Args:
+            job: this process's job; its process groups may be broken (a member died).
+            failed: devices known dead; others that do not answer within ``timeout`` (or
+                whose heartbeat stopped) are added. None: detect them all.
+            dst_spec: the layout to go on in, on surviving devices only; None: the top
+                ``suggest`` result for the surviving devices.
+            checkpoint: the dist checkpoint of the job's current step, read (through
+                ``refill``) for exactly the state only the dead held.
+
+        Returns:
+            The destination job (``role`` "stayed", or "left" with ``job`` None on a survivor
+            the destination does not use); ``recovery`` says what failed, was lost and refilled.
+
+        Raises:
+            RecoveryFailed: on every survivor, with one line; ``.job`` is ``job``, its state
+                untouched (exit status 2: a refused checkpoint or destination, nothing torn
+                down; 4: a process died or voted no while recovering). Retry with ``recover``.
+        """
+        if self.spec is None or self.layout is None or self.rendezvous is None:
+            raise DynatrainError(f"{self.device}: recover() needs a running rank and a "
+                                 "rendezvous")
+        if self._open is not None:  # a prepared world switch cannot run any more
+            self.rendezvous.post(f"go/{self._open}", {"go": False})
+            self._open = None
+        self._pending = None
+        self._generation += 1  # spent even when the recovery fails, on every survivor alike
+        rec = Recovery(self, job, self._generation)
+        given = frozenset(failed) if failed is not None else frozenset()
+        result, dst_spec = rec.run(given, dst_spec,
+                                   None if checkpoint is None else os.fspath(checkpoint))
+        if result.role == "left":
+            self.spec = self.layout = None
+            self._watch = self._generation + 1
+        else:
+            self.spec, self.layout = dst_spec, Layout(dst_spec)
+        return result
+
     # ---- spares ------------------------------------------------------------------------------
 
     def join(self, timeout: float | None = None) -> SwitchResult | None:
@@ -417,4 +498,6 @@ class LiveSwitcher:
         if self.leader and self.rendezvous is not None:
             self._cancel_open()
             self.rendezvous.post("closed", {})
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         self._pool.shutdown(wait=False)

@@ -14,6 +14,10 @@ cluster any TCPStore that outlives the processes. Everything dynatrain writes li
   never pickle, so a process reads nothing but data from the store).
 * ``vote(name, devices, device, outcome)`` is a commit vote through the store, not through a
   process group, so it still works while processes move between groups.
+* ``beat``/``beats`` are per-device heartbeat counters (``recovery.Heartbeat`` bumps them; a
+  counter that stops moving is a process that stopped answering); ``present`` is a bounded
+  roll call that gives up early on devices known to be dead and returns who did not answer;
+  ``propose`` is first-writer-wins (``compare_set``), so processes agree on one value.
 
 Every wait is bounded (``timeout``, default the rendezvous's; only ``wait`` may be told to wait
 on, for a spare idling until a switch names it), logs who it still waits for to the
@@ -198,6 +202,45 @@ class Rendezvous:
                 waiting.tick(missing)
             time.sleep(pause)
             pause = min(pause * 2, poll)
+
+    def present(self, name: str, devices: Sequence[str], device: str, timeout: float, *,
+                dead=None, poll: float = 0.05) -> tuple[str, ...]:
+        """A roll call: post that ``device`` is here, wait for ``devices`` to say so too.
+
+        Waits at most ``timeout`` seconds, less once every device still missing is one that
+        ``dead()`` (a callable returning a set of devices; None: none known) says is dead.
+        Logs who is still missing while it waits.
+
+        Returns:
+            The devices that did not answer, in ``devices`` order (empty: all came).
+        """
+        self.store.set(f"{name}/{device}", "1")
+        keys = {d: f"{name}/{d}" for d in devices}
+        deadline = time.monotonic() + timeout
+        waiting = _Waiting(f"roll call {name!r}", timeout)
+        pause = 0.001
+        while True:
+            missing = [d for d in devices if not self.store.check([keys[d]])]
+            if not missing or time.monotonic() > deadline:
+                return tuple(missing)
+            if dead is not None and set(missing) <= set(dead()):
+                return tuple(missing)
+            waiting.tick(missing)
+            time.sleep(pause)
+            pause = min(pause * 2, poll)
+
+    def propose(self, key: str, doc: dict) -> dict:
+        """Post ``doc`` under ``key`` unless some process did first; the document that won."""
+        won = self.store.compare_set(key, "", json.dumps(doc, sort_keys=True))
+        return json.loads(won)
+
+    def beat(self, device: str) -> None:
+        """Advance ``device``'s heartbeat counter."""
+        self.store.add(f"beat/{device}", 1)
+
+    def beats(self, devices: Sequence[str]) -> dict[str, int]:
+        """Every device's heartbeat counter (0: it never beat)."""
+        return {d: int(self.store.add(f"beat/{d}", 0)) for d in devices}
 
     def count(self, key: str, add: int = 0) -> int:
         """Atomically add ``add`` to the counter ``key``; its new value."""

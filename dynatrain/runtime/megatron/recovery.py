@@ -1,0 +1,340 @@
+"""Live recovery: the processes of a job that lost a member agree on who is gone, switch to a
+layout on the survivors, refill what only the dead held from the last dist checkpoint, and
+train on. ``LiveSwitcher.recover`` drives it; the steps, each bounded by the switcher's
+``timeout``, all through the ``Rendezvous`` store (the job's process groups are broken: a
+gloo or NCCL collective with a dead member hangs or errors):
+
+1. **Who is gone.** Every survivor posts itself in a roll call (``g<g>/recover/here``, ``g`` the
+   next switch number, the same on every survivor) and waits for the job's other devices.
+   It stops waiting once every device still missing is known dead: named by the caller
+   (``failed=``) or with a heartbeat that stopped moving (``Heartbeat``: a thread per process
+   bumps ``beat/<device>`` every ``heartbeat`` seconds; ``Liveness`` calls a device dead when
+   its counter did not move for ``stale_after`` seconds, no clocks compared), else at the
+   timeout: a process that hangs but still beats is declared failed then. The first survivor
+   to finish proposes the failed set (first writer wins: ``compare_set``) and every survivor
+   takes that one; a process named in it although alive raises and must leave the job. The
+   survivors confirm it in a vote: a survivor that dies now fails the recovery (retry).
+2. **Where to.** ``dst_spec``, or the top of ``suggest`` on the surviving devices (the same on
+   every survivor: the ranking is deterministic). Each survivor plans
+   ``plan_transition(..., failed=..., allow_lost=True)`` and verifies it; the plan names the lost
+   ranges exactly (``plan.stats["lost"]``).
+3. **Can the checkpoint fill them?** Each destination rank plans reading its share of the lost
+   ranges (``refill``: e.g. ``dynatrain.checkpoint.plan_load(..., only=lost)``: metadata only)
+   and checks that the checkpoint's Adam step is the job's (an older checkpoint would mix two
+   iterations). The survivors vote on the plan's digest and this check; a checkpoint that is
+   missing, truncated, of another model, of an unknown format version or of another step is
+   refused everywhere with one line (``RecoveryFailed``, exit status 2) before anything is
+   torn down: the job keeps its state and ``recover`` may be retried with another checkpoint.
+4. **Move.** The survivors abandon the old groups (megatron's parallel state, the default group),
+   form a default group of the survivors (rank = position in the plan's process order, dead
+   devices left out) and run the plan (``executor.switch``, all or nothing, sources only read).
+5. **Refill and build.** Each destination rank writes the lost ranges it holds from the
+   checkpoint into its received storage, the destination's processes form its default group,
+   set up megatron's parallel state, build (``build``), install, and carry the scheduler,
+   iteration and consumed samples; every survivor votes through the store.
+
+What cannot be rolled back: the dead processes' unique state (DistributedOptimizer shards
+exist once per DP group; with DP=1 whole stages) is gone, so the source layout can never be
+formed again; the checkpoint refill is what restores it. A recovery that fails after step 3
+leaves every survivor's source state untouched in memory and its groups torn down
+(``RecoveryFailed.job`` is the old job): ``recover`` can be called again (it re-forms groups).
+A process that dies during the last vote may leave others committed, as in any commit protocol.
+Survivors whose device the destination does not use come out with ``role == "left"`` and may
+idle as spares. Spares and fresh processes take no part in a recovery: grow back afterwards with
+``prepare``/``switch``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ...ir.errors import DynatrainError, LayoutError
+from ...ir.layout import Layout
+from ...ir.loader import spec_to_dict
+from ...ir.spec import LayoutSpec
+from ...ir.state import transition_views
+from ...planner.lost import LostState
+from ...planner.pipeline import plan_transition
+from ...planner.serialize import plan_to_json
+from ...planner.suggest import suggest
+from ..executor import process_devices, switch
+from .bridge import extract_state, install_state, read_step
+from .job import MegatronJob, RecoveryFailed, SwitchResult, carried, carry_into, parallel_kwargs
+from .rendezvous import Rendezvous
+
+if TYPE_CHECKING:
+    from .live import LiveSwitcher
+
+
+class Heartbeat:
+    """A daemon thread that bumps ``device``'s heartbeat counter every ``interval`` seconds."""
+
+    def __init__(self, rdzv: Rendezvous, device: str, interval: float) -> None:
+        self.rdzv, self.device, self.interval = rdzv, device, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dynatrain-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.rdzv.beat(self.device)
+            except Exception:  # noqa: BLE001 — a store hiccup; the next beat tries again
+                pass
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Liveness:
+    """Which devices' heartbeats stopped: counters unchanged for ``stale_after`` seconds of
+    this process's own clock (no clocks are compared across processes)."""
+
+    def __init__(self, rdzv: Rendezvous, stale_after: float) -> None:
+        self.rdzv, self.stale_after = rdzv, stale_after
+        self._seen: dict[str, tuple[int, float]] = {}  # device -> (counter, when it last moved)
+
+    def stale(self, devices: tuple[str, ...] | list[str]) -> set[str]:
+        now = time.monotonic()
+        out = set()
+        for d, n in self.rdzv.beats(devices).items():
+            last = self._seen.get(d)
+            if last is None or last[0] != n:
+                self._seen[d] = (n, now)
+            elif now - last[1] >= self.stale_after:
+                out.add(d)
+        return out
+
+
+def _line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:400]
+
+
+def _refusal(err: BaseException) -> str:
+    """A vote outcome for an error: ``"<exit status> <one line>"``."""
+    code = getattr(err, "exit_code", 4) if isinstance(err, DynatrainError) else 4
+    return f"{code} {type(err).__name__}: {_line(err)}"
+
+
+def _bad(votes: dict[str, str | None], ok: str) -> tuple[str, str, bool] | None:
+    """The first device whose vote is not ``ok`` (``"ok"`` or ``"ok <digest>"``): (device,
+    why, whether its input was refused); None if every vote is ``ok``."""
+    for d, v in votes.items():
+        if v is None:
+            return d, "no vote (its process died or hangs)", False
+        if v.startswith("ok") and v != ok:
+            return d, "the survivors planned different recoveries", False
+        if v != ok:
+            code, _, why = v.partition(" ")
+            return d, why, code == "2"
+    return None
+
+
+class Recovery:
+    """One recovery, seen from one surviving process."""
+
+    def __init__(self, sw: LiveSwitcher, job: MegatronJob, generation: int) -> None:
+        assert sw.spec is not None and sw.layout is not None and sw.rendezvous is not None
+        self.sw, self.job, self.g = sw, job, generation
+        self.rdzv: Rendezvous = sw.rendezvous
+        self.src_spec: LayoutSpec = sw.spec
+        self.src: Layout = sw.layout
+        self.me = sw.device
+        self.name = f"g{generation}/recover"
+        self.seconds: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def _lap(self, what: str) -> None:
+        now = time.perf_counter()
+        self.seconds[what] = now - self._mark
+        self._mark = now
+
+    def _fail(self, what: str, bad_input: bool, keep_job: bool = True) -> RecoveryFailed:
+        return RecoveryFailed(f"{self.me}: recovery failed: {what}",
+                              self.job if keep_job else None, bad_input)
+
+    # ---- 1. who is gone ----------------------------------------------------------------------
+
+    def agree_failed(self, given: frozenset[str]) -> tuple[str, ...]:
+        """The failed devices every survivor uses (see the module docstring, step 1)."""
+        sw, rdzv, devices = self.sw, self.rdzv, self.src.devices
+        unknown = sorted(given - set(devices))
+        if unknown:
+            raise self._fail(f"failed: {unknown[0]} is not a device of the job's layout", True)
+        if rdzv.count(f"{self.name}/claim", 1) == 1:
+            # Keep the switch numbering spares follow: announce this number, naming no joiner.
+            if rdzv.count("latest", 1) != self.g:
+                raise self._fail("another job uses this rendezvous prefix", True)
+            doc = spec_to_dict(self.src_spec, devices)
+            rdzv.post(f"switch/{self.g}", {"src": doc, "dst": doc, "recovery": True})
+        liveness = sw.liveness
+
+        def dead() -> set[str]:
+            return set(given) | (liveness.stale(devices) if liveness is not None else set())
+
+        missing = rdzv.present(f"{self.name}/here", devices, self.me, sw.timeout, dead=dead)
+        proposal = sorted(set(missing) | given)
+        agreed = tuple(rdzv.propose(f"{self.name}/failed", {"failed": proposal})["failed"])
+        self._lap("detect")
+        if not agreed:
+            raise self._fail("every device of the job answered: nothing failed (a switch "
+                             "without failures is switch())", True)
+        if self.me in agreed:
+            raise self._fail("the other processes declared this device failed (it did not "
+                             f"answer within {sw.timeout:.1f} s); it must leave the job", False,
+                             keep_job=False)
+        survivors = [d for d in devices if d not in agreed]
+        bad = _bad(rdzv.vote(f"{self.name}/confirm", survivors, self.me, "ok"), "ok")
+        if bad is not None:
+            raise self._fail(f"{bad[0]} did not confirm the failed devices ({bad[1]}); call "
+                             "recover again", False)
+        self._lap("agree")
+        return agreed
+
+    # ---- 2. + 3. where to, and can the checkpoint fill what was lost -------------------------
+
+    def prepare(self, failed: tuple[str, ...], dst_spec: LayoutSpec | None,
+                checkpoint: str | None):
+        """Plan, verify, check the checkpoint and extract the source state; voted by every
+        survivor, so all go on or all raise the same refusal, before anything is torn down."""
+        survivors = tuple(d for d in self.src.devices if d not in failed)
+        out = None
+        try:
+            out = self._prepare(failed, survivors, dst_spec, checkpoint)
+            outcome = "ok " + out[0]
+        except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
+            outcome = _refusal(err)
+        votes = self.rdzv.vote(f"{self.name}/ready", survivors, self.me, outcome)
+        # This process's own refusal first: the line it names is the one it can explain.
+        bad = _bad({self.me: outcome}, "ok " + out[0] if out else "ok") or _bad(votes, outcome)
+        self._lap("prepare")
+        if bad is not None:
+            raise self._fail(f"{bad[1]} (on {bad[0]}); the job keeps its state", bad[2])
+        assert out is not None
+        return out[1:]
+
+    def _prepare(self, failed, survivors, dst_spec, checkpoint):
+        sw, src = self.sw, self.src
+        gone = frozenset(failed)
+        if dst_spec is None:
+            found = suggest(src, survivors, topology=sw.topology, budget_bytes=sw.budget_bytes,
+                            failed=gone)
+            if not found.ranked:
+                raise DynatrainError(f"no layout of the model fits the {len(survivors)} "
+                                     f"surviving devices: {found.why_empty()}")
+            dst_spec = found.ranked[0].spec
+        dst = Layout(dst_spec)
+        plan = plan_transition(src, dst, sw.budget_bytes, sw.topology, failed=gone,
+                               allow_lost=True)
+        sw.verify(plan, src, dst)
+        if set(process_devices(plan)) & gone:
+            raise LayoutError("executor.process_devices still counts the failed devices as "
+                              "processes of the switch (it must leave out plan.stats['failed'])")
+        lost = LostState.from_json(plan.stats["lost"])
+        refill = None
+        if lost and self.me in dst.devices:
+            if checkpoint is None or sw.refill is None:
+                raise DynatrainError(f"checkpoint: {lost.summary()}; recover needs "
+                                     "checkpoint= and a LiveSwitcher refill to fill it")
+            ck_step, refill = sw.refill(str(checkpoint), dst, dst.devices.index(self.me), lost)
+            job_step = read_step(self.job.optimizer)
+            if ck_step is not None and ck_step != job_step:
+                raise DynatrainError(f"checkpoint {checkpoint}: holds Adam step {ck_step}, the "
+                                     f"job is at step {job_step}; refilling from it would mix "
+                                     "two iterations (give the checkpoint of this step)")
+        src_view, dst_view = transition_views(src, dst)
+        src_store = extract_state(src_view, src.devices.index(self.me), self.job.model_chunks,
+                                  self.job.optimizer)
+        doc = plan_to_json(plan)
+        del doc["summary"]  # timings: the only part that differs between processes
+        digest = hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(),
+                                 digest_size=16).hexdigest()
+        return digest, dst_spec, dst, plan, lost, refill, src_store
+
+    # ---- 4. + 5. move, refill, build ---------------------------------------------------------
+
+    def run(self, given: frozenset[str], dst_spec: LayoutSpec | None,
+            checkpoint: str | None) -> tuple[SwitchResult, LayoutSpec]:
+        """Recover (steps 1-5); the result and the destination's spec."""
+        failed = self.agree_failed(given)
+        dst_spec, dst, plan, lost, refill, src_store = self.prepare(failed, dst_spec, checkpoint)
+        from megatron.core import parallel_state as ps
+
+        sw, rdzv = self.sw, self.rdzv
+        carry = carried(self.job)
+        union = tuple(d for d in process_devices(plan) if d not in failed)
+        survivors = tuple(d for d in self.src.devices if d not in failed)
+        new, outcome, report, refilled = None, "ok", {}, 0
+        try:
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            rdzv.form(f"{self.name}/switch", union, self.me)  # destroys the broken group
+            self._lap("switch_group")
+            src_view, dst_view = transition_views(self.src, dst)
+            dst_store, report = switch(plan, src_view, dst_view, self.me, src_store, None,
+                                       timeout=sw.timeout, check_transfers=sw.check_transfers)
+            src_store = None
+            self._lap("exchange")
+            rdzv.leave()
+            if self.me in dst.devices:
+                if refill is not None:
+                    refill(dst_store)
+                    refilled = _refilled_bytes(lost, dst_view, dst.devices.index(self.me))
+                self._lap("refill")
+                new = self._build(dst_spec, dst, dst_view, dst_store, carry)
+            del dst_store
+        except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
+            outcome = _refusal(err)
+        votes = rdzv.vote(f"{self.name}/commit", survivors, self.me, outcome)
+        self._lap("commit_vote")
+        bad = _bad(votes, "ok")
+        if bad is not None:
+            new = None
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            rdzv.leave()
+            raise self._fail(f"{bad[1]} (on {bad[0]}); every survivor keeps its source state "
+                             "(its groups are gone): call recover again", bad[2])
+        if union.index(self.me) == 0:
+            rdzv.post(f"done/{self.g}", {"outcome": "recovered"})
+        role = "stayed" if new is not None else "left"
+        self.seconds["downtime"] = sum(self.seconds.values())
+        info = {"failed": list(failed), "dst": dst_spec.name, "devices": list(dst.devices),
+                "lost_bytes": lost.nbytes, "refilled_bytes": refilled,
+                "plan_bytes_moved": plan.stats["bytes_moved"]}
+        return SwitchResult(new, report, dict(self.seconds), role, self.g, info), dst_spec
+
+    def _build(self, dst_spec: LayoutSpec, dst: Layout, dst_view, dst_store: dict,
+               carry: dict) -> MegatronJob:
+        from megatron.core import parallel_state as ps
+
+        sw = self.sw
+        self.rdzv.form(f"{self.name}/dst", dst.devices, self.me)
+        self._lap("dst_group")
+        ps.initialize_model_parallel(**parallel_kwargs(dst_spec), **sw.init_kwargs)
+        new = sw.build(dst_spec)
+        self._lap("build")
+        install_state(dst_view, dst.devices.index(self.me), new.model_chunks, new.optimizer,
+                      dst_store)
+        carry_into(new, carry)
+        self._lap("install")
+        return new
+
+
+def _refilled_bytes(lost: LostState, dst_view, rank: int) -> int:
+    """Bytes of ``lost`` that destination ``rank`` holds (what its refill wrote)."""
+    wanted = {(e.key, e.kind): (e.boxes, e.nbytes // max(e.numel, 1)) for e in lost.entries}
+    total = 0
+    for reg in dst_view.regions(rank):
+        boxes, size = wanted.get((reg.key, reg.kind), ((), 0))
+        for b in boxes:
+            cut = reg.box & b
+            if cut is not None:
+                total += cut.numel * size
+    return total

@@ -3,8 +3,8 @@ budget the plan allows; that budget really plans, within the limits; the default
 
 Guarantee tested: ``BudgetTooSmall.smallest`` is exact (one byte less is refused), and the budget
 the message suggests is ``smallest`` rounded up to one decimal of a unit, so the size one decimal
-below it is refused too. Refusals must not reach ``coalesce`` (which is what a tiny budget blows
-up): the tests make ``coalesce`` fail if it is called, instead of timing anything.
+below it is refused too. Refusals must not reach ``spread`` (which is what a tiny budget blows
+up): the tests make its passes fail if they are called, instead of timing anything.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from dynatrain.planner import pipeline
 from dynatrain.planner.intersect import PlanError, intersect
 from dynatrain.planner.pipeline import check_compatible, plan_transition
 from dynatrain.planner.schedule import (MAX_ROUNDS, MAX_SCHEDULE_STEPS, STEPS_PER_PAIR,
-                                        BudgetTooSmall, Demand, _round_up, check_budget,
-                                        coalesce, schedule_rounds)
+                                        BudgetTooSmall, Demand, _round_up, check_budget)
 from dynatrain.planner.sources import pick_sources
+from dynatrain.planner.spread import global_spread, pairs_by_device, rounds_of
 from dynatrain.verify.check import verify
 
 TINY = ("specs/tiny-gpt/tp2-dp2.yaml", "specs/tiny-gpt/pp2-dp2.yaml")
@@ -46,7 +46,7 @@ def transfers(pair: tuple[str, str]):
     src, dst = layouts(pair)
     sv, dv = transition_views(src, dst)
     picked, _ = pick_sources(intersect(sv, dv, ()), src.devices, dst.devices,
-                             check_compatible(sv, dv))
+                             check_compatible(sv, dv), pipeline.replica_of(dst))
     return picked, src.devices, dst.devices
 
 
@@ -59,10 +59,11 @@ def refusal(pair: tuple[str, str], budget: int) -> BudgetTooSmall:
 
 @pytest.fixture
 def no_coalesce(monkeypatch):
-    """Refusals must come before coalesce cuts the transfers into pieces."""
+    """Refusals must come before spread cuts the transfers into chunks."""
     def refuse(*_args, **_kwargs):
-        raise AssertionError("coalesce ran: the budget was not checked first")
-    monkeypatch.setattr(pipeline, "coalesce", refuse)
+        raise AssertionError("spread ran: the budget was not checked first")
+    monkeypatch.setattr(pipeline, "pairs_by_device", refuse)
+    monkeypatch.setattr(pipeline, "global_spread", refuse)
 
 
 def refused(pair: tuple[str, str], budget: int) -> BudgetTooSmall:
@@ -83,8 +84,11 @@ def test_tiny_gpt_tiny_budgets_are_refused_before_coalesce(size, no_coalesce) ->
     assert isinstance(err, PlanError) and err.exit_code == EXIT_BAD_INPUT
     assert "\n" not in text
     assert text.startswith(f"--budget {format_bytes(budget)} is too small for this switch")
-    assert f"at least {err.rounds:,} rounds" in text and f"limit of {MAX_ROUNDS:,} rounds" in text
-    assert err.rounds > MAX_ROUNDS
+    if err.rounds:  # it would plan, in too many rounds
+        assert f"up to {err.rounds:,} rounds" in text and f"limit of {MAX_ROUNDS:,} rounds" in text
+        assert err.rounds > MAX_ROUNDS
+    else:  # no number of rounds fits a piece of every pair of the busiest device
+        assert "half the budget cannot stage a round's piece of each" in text
     suggested = format_bytes(err.suggested)
     assert text.endswith(f"the smallest budget this plan allows is {suggested} "
                          f"(--budget {suggested.replace(' ', '')})")
@@ -93,7 +97,7 @@ def test_tiny_gpt_tiny_budgets_are_refused_before_coalesce(size, no_coalesce) ->
 
 def test_seventy_b_with_one_mib_is_refused_before_coalesce(no_coalesce) -> None:
     err = refusal(LLAMA_70B, 1 << 20)
-    assert err.rounds > MAX_ROUNDS and "--budget 1.0 MiB is too small" in str(err)
+    assert (err.rounds == 0 or err.rounds > MAX_ROUNDS) and "--budget 1.0 MiB is too small" in str(err)
 
 
 def test_a_budget_that_cannot_stage_one_element_names_it_and_the_smallest(no_coalesce) -> None:
@@ -144,10 +148,13 @@ def test_the_smallest_budget_is_exact_and_the_suggestion_one_decimal_above(pair)
 def test_rounds_and_messages_bounds_never_exceed_the_real_plan(budget) -> None:
     picked, src_devices, dst_devices = transfers(TINY)
     need = check_budget(picked, src_devices, dst_devices, budget)
-    messages = coalesce(picked, src_devices, dst_devices, budget)
-    rounds = schedule_rounds(messages, budget)
-    assert need.messages(budget) <= sum(1 for m in messages if not m.local)
-    assert need.rounds(budget) <= len(rounds)
+    pairs, local = pairs_by_device(picked, src_devices, dst_devices)
+    unit, n = global_spread(pairs, budget)
+    rounds = rounds_of(pairs.values(), local, unit, n)
+    messages = [m for r in rounds for m in r.messages if not m.local]
+    assert need.messages(budget) <= len(messages)
+    # The planner's rounds lie between the least any schedule needs and the check's bound.
+    assert need.least_rounds(budget) <= len(rounds) <= need.rounds(budget)
 
 
 # ---- the default budget passes on the shipped switches ----------------------------------------
@@ -168,15 +175,15 @@ def test_the_default_budget_passes_the_check_on_the_shipped_switches(pair) -> No
 
 def test_a_switch_with_more_pairs_than_steps_is_bounded_by_its_pairs() -> None:
     pairs = MAX_SCHEDULE_STEPS  # each pair alone is one step at any budget
-    need = Demand(busiest_bytes=1 << 20, pairs=((1 << 10, 12, pairs),), elem_bytes=12,
-                  elem_key="w")
+    need = Demand(busiest_bytes=1 << 20, sides=((1 << 20, (12,) * 4, pairs // 2),), peers=4,
+                  pairs=pairs, elem_bytes=12, elem_key="w")
     assert need.step_limit() == STEPS_PER_PAIR * pairs
     assert need.fits(need.smallest_budget())
     assert not need.fits(need.smallest_budget() - 1)
 
 
 def test_a_switch_with_nothing_to_send_fits_any_budget() -> None:
-    need = Demand(busiest_bytes=0, pairs=(), elem_bytes=0, elem_key="")
+    need = Demand(busiest_bytes=0, sides=(), peers=0, pairs=0, elem_bytes=0, elem_key="")
     assert need.fits(1) and need.smallest_budget() == 1
 
 

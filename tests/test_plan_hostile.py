@@ -172,6 +172,7 @@ VALUES = st.one_of(
     st.lists(st.lists(st.integers(0, 9), max_size=3), max_size=3),
 )
 BASE = base()  # read only
+PARAM_SLOT = next(i for i, s in enumerate(BASE["slots"]) if s[0] == "param")
 # Uniform over nodes would nearly always land inside a transfer: shallow nodes drawn too.
 NODES = st.one_of(st.sampled_from(paths()),
                   st.sampled_from([p for p in paths() if len(p) <= 4]))
@@ -332,8 +333,8 @@ CASES = {  # name: (edit of the document, path it names, words of its rule)
     "devices-none": (lambda d: d.update(src_devices=[]), "plan.src_devices", "at least one"),
     "slot-type": (lambda d: d["slots"][0].__setitem__(0, "tensor"), "plan.slots[0][0]",
                   "unknown slot type"),
-    "slot-offset": (lambda d: d["slots"][0][3].__setitem__(0, -1), "plan.slots[0][3][0]",
-                    "local offset"),
+    "slot-offset": (lambda d: d["slots"][PARAM_SLOT][3].__setitem__(0, -1),
+                    f"plan.slots[{PARAM_SLOT}][3][0]", "local offset"),
     "stack-of-stacks": (lambda d: d["slots"].__setitem__(1, ["stack", 1, d["slots"][1], ["a"]]),
                         "plan.slots[1][2]", "member must be a param or flat slot"),
     "stack-axes-zero": (lambda d: d["slots"][1].__setitem__(1, 0), "plan.slots[1][1]", "axes"),
@@ -352,6 +353,7 @@ def test_concrete_cases(tmp, name):
     edit, where, words = CASES[name]
     doc = base()
     assert doc["slots"][1][0] == "stack"  # the cases above that edit slot 1 rely on it
+    assert doc["slots"][PARAM_SLOT][0] == "param"
     edit(doc)
     err = refused(doc, tmp)
     assert where in err.field and words in str(err), str(err)

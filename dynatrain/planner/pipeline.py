@@ -1,4 +1,5 @@
-"""The planner's named pass pipeline: intersect -> pick_sources -> budget -> coalesce -> rounds.
+"""The planner's named pass pipeline: intersect -> pick_sources -> budget -> pairs -> agree_rounds ->
+rounds.
 
 ``plan_transition(src, dst, budget_bytes)`` returns a ``Plan`` plus its summary numbers. Each pass
 is a pure function of the previous pass's output; ``trace(name, value, seconds)`` sees each one.
@@ -20,8 +21,9 @@ from .intersect import Intersection, PlanError, intersect
 from .lost import StateLost, check_failed, lost_state
 from .place import auto_place
 from .plan import Plan
-from .schedule import check_budget, coalesce, peak_staging, schedule_rounds
+from .schedule import check_budget, peak_staging
 from .sources import pick_sources
+from .spread import global_spread, pairs_by_device, rounds_of
 
 Trace = Callable[[str, Any, float], None]
 
@@ -111,16 +113,22 @@ def _plan(src: Layout, dst: Layout, budget_bytes: int, topology: Topology, trace
     return plan
 
 
+def replica_of(dst: Layout) -> Callable[[int], int]:
+    """A destination rank's replica index: its rank in the data-parallel-with-context group
+    (``sources``' rotation spreads the replicas of one position over the holders)."""
+    return lambda rank: dst.coords(rank).dp_cp
+
+
 def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[str, str], str],
               budget_bytes: int, topology: Topology, step: Callable[[str, Callable[[], Any]], Any]
               ) -> Plan:
     """The passes after intersect, for one placement of ``dst``."""
-    transfers, lower_bytes = step("pick_sources", lambda: pick_sources(inter, src.devices,
-                                                                       dst.devices, dtypes))
+    transfers, lower_bytes = step("pick_sources", lambda: pick_sources(
+        inter, src.devices, dst.devices, dtypes, replica_of(dst)))
     step("budget", lambda: check_budget(transfers, src.devices, dst.devices, budget_bytes))
-    messages = step("coalesce", lambda: coalesce(transfers, src.devices, dst.devices,
-                                                 budget_bytes))
-    rounds = step("rounds", lambda: schedule_rounds(messages, budget_bytes, topology))
+    pairs, local = step("pairs", lambda: pairs_by_device(transfers, src.devices, dst.devices))
+    unit, n = step("agree_rounds", lambda: global_spread(pairs, budget_bytes))
+    rounds = step("rounds", lambda: rounds_of(pairs.values(), local, unit, n))
     plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,
                 tuple(rounds), budget_bytes, ("param",) if dst.spec.state.derive_param else ())
     moved = sum(m.nbytes for m in plan.messages() if not m.local)
@@ -131,12 +139,13 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
         bytes_local=sum(m.nbytes for m in plan.messages() if m.local),
         messages=sum(1 for m in plan.messages() if not m.local),
         # Records of the plan, as its JSON, --text and `verify` count them; parts are what
-        # pick_sources chose a sender for, before coalesce cut big ones to message size.
+        # pick_sources chose a sender for, before spread cut them into round chunks.
         transfers=sum(len(m.transfers) for m in plan.messages()),
         parts=len(transfers),
         rounds=len(rounds),
         peak_staging_bytes=max(peaks, default=0),
         budget_bytes=budget_bytes,
+        spread=[unit, n],  # what a device's slice needs besides the layouts (``slices``)
         predicted_seconds=predicted_seconds(plan, topology),
         lower_bound_seconds=lower_bound_seconds(plan, topology),
         topology=topology.name,

@@ -1,11 +1,18 @@
-"""Pick one source per needed part: same device, then same node, then the least-loaded sender.
+"""Pick one source per needed part: same device, then same node, then a rotation over holders.
 
-Ties break on rank, so every process computes the same plan from the same inputs.
+Every choice is a function of the part, its holders and the receiving rank alone, never of
+what else the plan sends: a process can compute its own receives, and a sender which of its
+parts each receiver takes from it, without planning anyone else's part (``planner.slices``).
+Balance comes from the rotation: the receiver's replica index (its rank in the destination's
+data-parallel-with-context group) plus a fixed offset per part picks the holder, and a large
+replicated part is picked slab by slab, each slab one holder further. Replicas of one position
+thus spread evenly over the holders, and so do the slabs of one big part.
 """
 
 from __future__ import annotations
 
-import heapq
+import zlib
+from collections.abc import Callable, Sequence
 
 from ..ir.box import Box
 from ..ir.layout import DTYPE_BYTES
@@ -17,56 +24,10 @@ def node_of(device: str) -> str:
     return device.split(":", 1)[0]
 
 
-def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices: tuple[str, ...],
-                 dtypes: dict[tuple[str, str], str]) -> tuple[list[Transfer], int]:
-    """One ``Transfer`` per needed part, from the cheapest holder.
-
-    Also returns the lower bound on bytes that must cross devices: parts that no source rank
-    on the destination device holds.
-    """
-    src_nodes = [node_of(d) for d in src_devices]
-    rank_on_device = {d: r for r, d in enumerate(src_devices)}
-    picker = _Picker(src_nodes)
-    elem_bytes: dict[tuple[str, tuple[str, ...]], int] = {}
-    out: list[Transfer] = []
-    remote = 0
-    for dst_rank, dst_dev in enumerate(dst_devices):
-        here = rank_on_device.get(dst_dev, -1)
-        dst_node = node_of(dst_dev)
-        for ans in inter.answers(dst_rank):
-            e = ans.entry
-            eb = elem_bytes.get((e.key, ans.kinds))
-            if eb is None:
-                eb = elem_bytes[(e.key, ans.kinds)] = sum(
-                    DTYPE_BYTES.get(dtypes[(e.key, k)], 8) for k in ans.kinds)
-            for box, holders in ans.parts:
-                nbytes = box.numel * eb
-                rank, h = picker.choose(holders, here, dst_node)
-                if rank != here and nbytes > SLAB_BYTES and (
-                        len(holders) > 1 or len(holders[0].ranks) > 1):
-                    # A replicated part spanning many layers: pick per slab, or its one
-                    # sender would carry all of them (the 405B switch: busiest sender 13%
-                    # over its share, predicted time 1.13x the bound instead of 1.06x).
-                    for sub in _slabs(box, nbytes):
-                        n = sub.numel * eb
-                        rank, h = picker.choose(holders, here, dst_node)
-                        picker.add_load(rank, n)
-                        remote += n
-                        out.append(Transfer(e.key, ans.kinds, sub, rank, dst_rank, h.slot,
-                                            h.anchor, e.slot, e.box, n))
-                    continue
-                if rank != here:
-                    picker.add_load(rank, nbytes)
-                    remote += nbytes
-                out.append(Transfer(e.key, ans.kinds, box, rank, dst_rank, h.slot, h.anchor,
-                                    e.slot, e.box, nbytes))
-    return out, remote
-
-
 SLAB_BYTES = 64 << 20  # replicated parts larger than this are picked in slabs of about it
 
 
-def _slabs(box: Box, nbytes: int) -> list[Box]:
+def slabs(box: Box, nbytes: int) -> list[Box]:
     """``box`` cut along its first dim longer than 1 into slabs of about ``SLAB_BYTES``
     (whole indices: a layer or expert each at the finest)."""
     d = next((i for i, (l, h) in enumerate(zip(box.lo, box.hi)) if h - l > 1), None)
@@ -79,62 +40,122 @@ def _slabs(box: Box, nbytes: int) -> list[Box]:
             for a in range(box.lo[d], box.hi[d], step)]
 
 
-class _Picker:
-    """Chooses among holders in time independent of how many replicas hold a part.
+_KEY_SALT: dict[str, int] = {}
 
-    Per holder group (shared by many parts) it keeps a set for the same-device test, its ranks
-    per node, and a heap of (load, rank) whose stale entries are refreshed when popped: the
-    least-loaded remote sender costs O(log n), not a scan of every DP replica.
+
+def part_offset(key: str, box: Box) -> int:
+    """A fixed offset per part (stable across processes, unlike ``hash`` of a string), so
+    that small parts of one position do not all start the rotation at the same holder."""
+    salt = _KEY_SALT.get(key)
+    if salt is None:
+        salt = _KEY_SALT[key] = zlib.crc32(key.encode())
+    h = salt
+    for x in box.lo:
+        h = (h * 1_000_003 + x) & 0xFFFFFFFF
+    return h
+
+
+class Candidates:
+    """The holders of one part as sorted (rank, Holders) pairs, with per-node lists.
+
+    Built once per holders tuple (shared by every part the same ranks hold in the same slots).
+    A rank listed in two groups (two slots holding the same box) keeps its first group.
     """
 
-    def __init__(self, src_nodes: list[str]) -> None:
-        self.src_nodes = src_nodes
-        self.load = [0] * len(src_nodes)  # bytes each source rank sends to other devices
-        self.groups: dict[int, tuple[Holders, frozenset[int], dict[str, list[int]], list]] = {}
-        self.lists: dict[int, tuple[tuple[Holders, ...], list]] = {}
+    __slots__ = ("holders", "ranks", "group", "members", "by_node")
 
-    def add_load(self, rank: int, nbytes: int) -> None:
-        self.load[rank] += nbytes
-
-    def _group(self, h: Holders):
-        g = self.groups.get(id(h))
-        if g is None:
-            by_node: dict[str, list[int]] = {}
+    def __init__(self, holders: tuple[Holders, ...], src_nodes: Sequence[str]) -> None:
+        self.holders = holders  # keeps the tuple alive: callers cache by its id
+        group: dict[int, Holders] = {}
+        for h in holders:
             for r in h.ranks:
-                by_node.setdefault(self.src_nodes[r], []).append(r)
-            heap = [(self.load[r], r) for r in h.ranks]
-            heapq.heapify(heap)
-            g = self.groups[id(h)] = (h, frozenset(h.ranks), by_node, heap)  # h: keeps id alive
-        return g
+                group.setdefault(r, h)
+        self.ranks = sorted(group)
+        self.group = group
+        self.members = frozenset(group)
+        by_node: dict[str, list[int]] = {}
+        for r in self.ranks:
+            by_node.setdefault(src_nodes[r], []).append(r)
+        self.by_node = by_node
 
-    def _least_loaded(self, heap: list) -> tuple[int, int]:
-        while True:
-            load, r = heap[0]
-            if load == self.load[r]:
-                return load, r
-            heapq.heapreplace(heap, (self.load[r], r))
+    def choose(self, here: int, dst_node: str, replica: int, offset: int, slab: int) -> int:
+        """The rank a receiver takes slab ``slab`` of this part from."""
+        if here in self.members:
+            return here
+        near = self.by_node.get(dst_node)
+        pool = near if near else self.ranks
+        return pool[(replica + offset + slab) % len(pool)]
 
-    def choose(self, holders: tuple[Holders, ...], here: int, dst_node: str
-               ) -> tuple[int, Holders]:
-        if len(holders) == 1 and len(holders[0].ranks) == 1:
-            return holders[0].ranks[0], holders[0]
-        hit = self.lists.get(id(holders))
-        if hit is None:  # the tuple rides along to keep its id from being reused
-            hit = self.lists[id(holders)] = (holders, [self._group(h) for h in holders])
-        groups = hit[1]
-        for h, members, _, _ in groups:
-            if here in members:
-                return here, h
-        best: tuple | None = None
-        for h, _, by_node, _ in groups:  # same node: a handful of ranks at most
-            for r in by_node.get(dst_node, ()):
-                score = (self.load[r], r)
-                if best is None or score < best[0]:
-                    best = (score, r, h)
-        if best is None:
-            for h, _, _, heap in groups:
-                score = self._least_loaded(heap)
-                if best is None or score < best[0]:
-                    best = (score, score[1], h)
-        assert best is not None
-        return best[1], best[2]
+
+class CandidateCache:
+    """``Candidates`` per holders tuple, keyed by the tuple's id (it is kept alive)."""
+
+    def __init__(self, src_nodes: Sequence[str]) -> None:
+        self.src_nodes = src_nodes
+        self.cache: dict[int, Candidates] = {}
+
+    def __call__(self, holders: tuple[Holders, ...]) -> Candidates:
+        c = self.cache.get(id(holders))
+        if c is None:
+            c = self.cache[id(holders)] = Candidates(holders, self.src_nodes)
+        return c
+
+
+def part_transfers(key: str, kinds: tuple[str, ...], box: Box, nbytes: int,
+                   cands: Candidates, dst_rank: int, here: int, dst_node: str, replica: int,
+                   dst_slot, dst_anchor: Box) -> list[Transfer]:
+    """The transfers that bring one part to ``dst_rank``: one, or one per slab of a large
+    replicated part not held on the receiver's device (each slab from the next holder)."""
+    offset = part_offset(key, box)
+    rank = cands.choose(here, dst_node, replica, offset, 0)
+    if rank != here and nbytes > SLAB_BYTES and len(cands.ranks) > 1:
+        # A replicated part spanning many layers: one holder per slab, or its one sender
+        # would carry all of them.
+        out = []
+        eb = nbytes // box.numel
+        for s, sub in enumerate(slabs(box, nbytes)):
+            r = cands.choose(here, dst_node, replica, offset, s)
+            h = cands.group[r]
+            out.append(Transfer(key, kinds, sub, r, dst_rank, h.slot, h.anchor, dst_slot,
+                                dst_anchor, sub.numel * eb))
+        return out
+    h = cands.group[rank]
+    return [Transfer(key, kinds, box, rank, dst_rank, h.slot, h.anchor, dst_slot, dst_anchor,
+                     nbytes)]
+
+
+def elem_bytes_of(dtypes: dict[tuple[str, str], str], key: str, kinds: tuple[str, ...]) -> int:
+    return sum(DTYPE_BYTES.get(dtypes[(key, k)], 8) for k in kinds)
+
+
+def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices: tuple[str, ...],
+                 dtypes: dict[tuple[str, str], str],
+                 replica_of: Callable[[int], int] = lambda r: 0) -> tuple[list[Transfer], int]:
+    """One ``Transfer`` per needed part (per slab of a large replicated one), from the holder
+    the rules above give. ``replica_of(dst_rank)``: the receiver's replica index.
+
+    Also returns the lower bound on bytes that must cross devices: parts that no source rank
+    on the destination device holds.
+    """
+    rank_on_device = {d: r for r, d in enumerate(src_devices)}
+    cands = CandidateCache([node_of(d) for d in src_devices])
+    elem_bytes: dict[tuple[str, tuple[str, ...]], int] = {}
+    out: list[Transfer] = []
+    remote = 0
+    for dst_rank, dst_dev in enumerate(dst_devices):
+        here = rank_on_device.get(dst_dev, -1)
+        dst_node = node_of(dst_dev)
+        replica = replica_of(dst_rank)
+        for ans in inter.answers(dst_rank):
+            e = ans.entry
+            eb = elem_bytes.get((e.key, ans.kinds))
+            if eb is None:
+                eb = elem_bytes[(e.key, ans.kinds)] = elem_bytes_of(dtypes, e.key, ans.kinds)
+            for box, holders in ans.parts:
+                c = cands(holders)
+                ts = part_transfers(e.key, ans.kinds, box, box.numel * eb, c, dst_rank, here,
+                                    dst_node, replica, e.slot, e.box)
+                if ts[0].src_rank != here:
+                    remote += box.numel * eb
+                out.extend(ts)
+    return out, remote

@@ -104,7 +104,8 @@ def expert_keys(view: StateView) -> frozenset[str]:
 
 
 def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
-               declared: Declared = Declared()) -> tuple[int, list[dict[str, int]]]:
+               declared: Declared = Declared(), only_rank: int | None = None
+               ) -> tuple[int, list[dict[str, int]]]:
     """Check every transfer's source and the tiling of every destination region.
 
     Returns the number of transfers checked and, per round, the bytes each device stages
@@ -117,6 +118,8 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
 
     ``declared``: failed source devices (nothing may be read from them or written to them)
     and the state the plan declares lost (left unwritten, if truly no survivor holds it).
+    ``only_rank``: check the tiling of this destination rank's regions only (-1: none), for
+    one device's slice of a plan; what it writes elsewhere is checked by the receivers.
     """
     failed = declared.failed
     if failed:
@@ -187,8 +190,12 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
                 staged[m.dst_device] += moved
     unfilled: dict[tuple[str, str], tuple[Box, ...]] = {
         (e.key, e.kind): e.boxes for e in declared.lost.entries}
+    ranks: range | tuple[int, ...] = range(dst.layout.world)
+    if only_rank is not None:
+        ranks = (only_rank,) if only_rank >= 0 else ()
+        writes = defaultdict(list, {k: v for k, v in writes.items() if k[0] == only_rank})
     _check_coverage(dst, d_hold, writes, _derivable(plan, dst, emit), expert_keys(dst), d_dev,
-                    emit, unfilled)
+                    emit, unfilled, ranks)
     return count, staging
 
 
@@ -313,11 +320,13 @@ def _check_source(t: Transfer, device: str, kinds: tuple[str, ...] | None, emit:
 def _check_coverage(dst: StateView, hold: Holdings,
                     writes: dict[tuple[int, Target], list[Transfer]], derived: set[str],
                     experts: frozenset[str], devices: tuple[str, ...], emit: Emit,
-                    unfilled: dict[tuple[str, str], tuple[Box, ...]] | None = None) -> None:
-    """``unfilled``: per (key, kind), boxes declared lost; they count as written once."""
+                    unfilled: dict[tuple[str, str], tuple[Box, ...]] | None = None,
+                    ranks: range | tuple[int, ...] | None = None) -> None:
+    """``unfilled``: per (key, kind), boxes declared lost; they count as written once.
+    ``ranks``: the destination ranks whose regions to check (default: all)."""
     needed_of: dict[tuple[str, ...], tuple[str, ...]] = {}
     lost_keys = {key for key, _ in unfilled} if unfilled else set()
-    for rank in range(dst.layout.world):
+    for rank in (range(dst.layout.world) if ranks is None else ranks):
         for s in dst.stored(rank):
             ws = writes.pop((rank, (s.key, s.slot, s.box)), [])
             needed = needed_of.get(s.kinds)

@@ -1,0 +1,230 @@
+"""Rounds by spreading: every pair of devices spreads its traffic evenly over all R rounds.
+
+The pass that replaces greedy round packing, chosen because each device can compute its own
+part of it alone. A pair's transfers, in a canonical order, are cut at R - 1 byte positions
+(multiples of a unit, shifted by a phase fixed per pair); chunk i runs in round i. Every
+device then sends, and receives, about 1/R of its traffic in every round, so the sum over
+rounds of the busiest link is the busiest link over the whole switch: the lower bound, up to
+the unit and the latency of R rounds.
+
+R is the only global number. Each device knows its own pairs, so it can say the fewest rounds
+from a candidate R up in which its chunks fit its half budget per direction (``fit_from``);
+R is the fixpoint of taking the maximum of those over all devices (``agree_rounds``), which
+the global planner computes over all devices and live processes compute with an all-reduce.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from .intersect import PlanError
+from .plan import Message, Round, Transfer, message_order
+from .schedule import MAX_ROUNDS, _sub, unit_bytes
+
+
+
+def pair_phase(src_device: str, dst_device: str) -> int:
+    """A per-pair phase in [0, 2**32): small pairs land in different rounds."""
+    return zlib.crc32(f"{src_device}>{dst_device}".encode())
+
+
+def canonical(transfers: Iterable[Transfer]) -> list[Transfer]:
+    """A pair's transfers in the order both its ends compute alone."""
+    return sorted(transfers, key=lambda t: (t.dst_rank, t.key, t.kinds, t.box.lo, t.box.hi))
+
+
+def bounds(total: int, rounds: int, unit: int, phase: int) -> list[int]:
+    """Chunk boundaries: 0, R - 1 cut positions, ``total`` (integers, so exact everywhere)."""
+    den = rounds * unit << 32
+    cuts = [min(total, unit * ((i * total << 32) + phase * rounds * unit) // den)
+            for i in range(1, rounds)]
+    return [0, *cuts, total]
+
+
+def fill(t: Transfer, room: int, tol: int) -> tuple[list[Transfer], list[Transfer]]:
+    """Leading slabs of ``t`` holding ``room`` bytes give or take ``tol``, and the rest of
+    ``t``, in ``t``'s order. Coarse cuts first: whole indices of ``t``'s outermost dim longer
+    than 1 when a boundary of them lies within ``tol`` of ``room``, else the whole indices
+    that fit and the next index filled the same way one dim further in (fewer, larger
+    transfers than cutting at the exact byte)."""
+    if t.nbytes <= room + tol:
+        return [t], []
+    box = t.box
+    if room <= 0:
+        return [], [t]
+    lo, hi = box.lo, box.hi
+    d = 0
+    while hi[d] - lo[d] == 1:
+        d += 1
+        if d == len(lo):  # one element larger than room + tol
+            return [], [t]
+    per_index = t.nbytes // (hi[d] - lo[d])
+    k = (room + tol) // per_index  # the most whole indices within tolerance
+    if k and room - k * per_index <= tol:
+        return [_sub(t, box, d, lo[d], lo[d] + k)], [_sub(t, box, d, lo[d] + k, hi[d])]
+    heads = [_sub(t, box, d, lo[d], lo[d] + k)] if k else []
+    more, rest = fill(_sub(t, box, d, lo[d] + k, lo[d] + k + 1), room - k * per_index, tol)
+    heads.extend(more)
+    if lo[d] + k + 1 < hi[d]:
+        rest.append(_sub(t, box, d, lo[d] + k + 1, hi[d]))
+    return heads, rest
+
+
+def split(transfers: list[Transfer], edges: list[int], tol: int) -> list[list[Transfer]]:
+    """``transfers`` (canonical order) cut into ``len(edges) - 1`` chunks at ``edges``; every
+    cut lies within ``tol`` bytes of its edge (``fill``), so a chunk holds its edges'
+    difference plus at most ``2 * tol`` bytes, and nothing where its edges are equal."""
+    n = len(edges) - 1
+    chunks: list[list[Transfer]] = [[] for _ in range(n)]
+    i, pos = 0, 0
+    todo = deque(transfers)
+    while todo:
+        t = todo.popleft()
+        while i < n - 1 and pos >= edges[i + 1]:
+            i += 1
+        end = edges[i + 1]
+        if i == n - 1 or pos + t.nbytes <= end:
+            chunks[i].append(t)
+            pos += t.nbytes
+            continue
+        heads, rest = fill(t, end - pos, tol) if end - pos > tol else ([], [t])
+        chunks[i].extend(heads)
+        pos += sum(h.nbytes for h in heads)
+        i += 1  # the rest starts the next chunk
+        todo.extendleft(reversed(rest))
+    return chunks
+
+
+class Pair:
+    """One remote (source device, destination device) pair and its transfers."""
+
+    __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "_cache")
+
+    def __init__(self, src: str, dst: str, transfers: list[Transfer]) -> None:
+        self.src, self.dst = src, dst
+        self.transfers = canonical(transfers)
+        self.nbytes = sum(t.nbytes for t in self.transfers)
+        self.elem = max((t.nbytes // t.box.numel for t in self.transfers), default=0)
+        self.phase = pair_phase(src, dst)
+        self._cache: tuple[int, list[list[Transfer]]] | None = None
+
+    def tolerance(self, unit: int) -> int:
+        """How far a cut may lie from its edge: half a unit, or one element if larger."""
+        return max(unit // 2, self.elem)
+
+    def chunks(self, rounds: int, unit: int) -> list[list[Transfer]]:
+        if self._cache is None or self._cache[0] != rounds:
+            self._cache = (rounds, split(self.transfers,
+                                         bounds(self.nbytes, rounds, unit, self.phase),
+                                         self.tolerance(unit)))
+        return self._cache[1]
+
+
+def _fits(pairs: list[Pair], rounds: int, unit: int, half: int) -> bool:
+    """Whether ``pairs`` (all of one device's pairs in one direction) fit ``half`` a round.
+
+    From the edges alone: a chunk holds its edges' difference plus at most twice the pair's
+    tolerance (``split``), so no pair is cut to decide this.
+    """
+    used = [0] * rounds
+    for p in pairs:
+        e = bounds(p.nbytes, rounds, unit, p.phase)
+        slack = 2 * p.tolerance(unit)
+        for i in range(rounds):
+            if e[i + 1] > e[i]:
+                used[i] += min(e[i + 1] - e[i] + slack, p.nbytes)
+    return max(used, default=0) <= half
+
+
+def least_rounds(out_pairs: list[Pair], in_pairs: list[Pair], half: int) -> int:
+    """The fewest rounds the device's busier direction allows (the fixpoint's start)."""
+    busiest = max(sum(p.nbytes for p in out_pairs), sum(p.nbytes for p in in_pairs))
+    return max(1, -(-busiest // max(1, half)))
+
+
+def fit_from(out_pairs: list[Pair], in_pairs: list[Pair], rounds: int, budget: int,
+             unit: int) -> int:
+    """The fewest rounds >= ``rounds`` in which this device's chunks fit its budget
+    (half for sending, half for receiving)."""
+    half = budget // 2
+    r = rounds
+    while not (_fits(out_pairs, r, unit, half) and _fits(in_pairs, r, unit, half)):
+        r += 1
+        if r > MAX_ROUNDS:
+            raise PlanError(f"the budget of {budget} bytes needs more than {MAX_ROUNDS} "
+                            "rounds for this switch")
+    return r
+
+
+Agree = Callable[[int], int]  # this device's value -> the maximum over all devices
+
+
+def agree_spread(out_pairs: list[Pair], in_pairs: list[Pair], budget: int, agree: Agree
+                 ) -> tuple[int, int]:
+    """(unit, R) for the whole switch, seen from one device: the most pairs any device has
+    in one direction gives the unit; R is the fixpoint of ``agree`` (max over devices) of
+    each device's ``fit_from``. Every device calls ``agree`` the same number of times."""
+    unit = unit_bytes(budget, agree(max(len(out_pairs), len(in_pairs))))
+    r = agree(least_rounds(out_pairs, in_pairs, budget // 2))
+    while True:
+        nxt = agree(fit_from(out_pairs, in_pairs, r, budget, unit))
+        if nxt == r:
+            return unit, r
+        r = nxt
+
+
+def pairs_by_device(transfers: Iterable[Transfer], src_devices: tuple[str, ...],
+                    dst_devices: tuple[str, ...]
+                    ) -> tuple[dict[tuple[str, str], Pair], dict[str, list[Transfer]]]:
+    """Remote pairs, and each device's local copies, from a list of transfers."""
+    by_pair: dict[tuple[str, str], list[Transfer]] = {}
+    for t in transfers:
+        by_pair.setdefault((src_devices[t.src_rank], dst_devices[t.dst_rank]), []).append(t)
+    pairs, local = {}, {}
+    for (s, d), ts in by_pair.items():
+        if s == d:
+            local[s] = canonical(ts)
+        else:
+            pairs[(s, d)] = Pair(s, d, ts)
+    return pairs, local
+
+
+def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int, int]:
+    """``agree_spread`` computed for every device at once: the global plan's (unit, R)."""
+    outs: dict[str, list[Pair]] = {}
+    ins: dict[str, list[Pair]] = {}
+    for (s, d), p in pairs.items():
+        outs.setdefault(s, []).append(p)
+        ins.setdefault(d, []).append(p)
+    devices = sorted(set(outs) | set(ins))
+    unit = unit_bytes(budget, max((len(v) for v in (*outs.values(), *ins.values())),
+                                  default=1))
+    r = max((least_rounds(outs.get(d, []), ins.get(d, []), budget // 2) for d in devices),
+            default=1)
+    while True:
+        nxt = max((fit_from(outs.get(d, []), ins.get(d, []), r, budget, unit)
+                   for d in devices), default=r)
+        if nxt == r:
+            return unit, r
+        r = nxt
+
+
+def rounds_of(pairs: Iterable[Pair], local: dict[str, list[Transfer]], unit: int,
+              rounds: int) -> list[Round]:
+    """The plan's rounds: chunk i of every pair in round i, local copies in round 0."""
+    per: list[list[Message]] = [[] for _ in range(rounds)]
+    for p in pairs:
+        for i, c in enumerate(p.chunks(rounds, unit)):
+            if c:
+                per[i].append(Message(p.src, p.dst, tuple(c)))
+    for dev, ts in local.items():
+        per[0].append(Message(dev, dev, tuple(ts)))
+    # Every round is kept, empty or not, so that a round's index is the same in every
+    # device's slice and in the global plan.
+    out = []
+    for msgs in per:
+        ms = tuple(sorted(msgs, key=lambda m: (m.src_device, m.dst_device)))
+        out.append(Round(ms, message_order(ms)))
+    return out

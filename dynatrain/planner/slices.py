@@ -32,6 +32,9 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
 
 from ..ir.box import Box
 from ..ir.layout import Layout
@@ -53,11 +56,7 @@ class _Side:
         self.view = view
         L = view.layout
         self.layout = L
-        classes: dict[Model, list[int]] = defaultdict(list)
-        for r in range(L.world):  # one pass of integer arithmetic per rank
-            c = L.coords(r)
-            classes[(c.pp, c.tp, c.ep, c.etp)].append(r)
-        self.classes = dict(classes)
+        self.classes, self.class_of = _classes(L)
         self.distopt = bool(L.parallel.use_distributed_optimizer and len(view.kinds) > 1)
         self._names: dict[Model, dict[str, list[tuple[int, object]]]] = {}
         self._opt: dict[tuple[Model, bool], dict[int, list[int]]] = {}
@@ -107,10 +106,16 @@ class _Side:
 
     def _shard_holders(self, model: Model, s: Stored, boxes: list[Box]) -> set[int]:
         names = set()
+        n = getattr(s.slot, "axes", 0)  # a family: its members are its leading indices
+        seen_lead: set[tuple] = set()
         for b in boxes:
             sub = (s.box & b) if s.box.lo else s.box
             if sub is None:
                 continue
+            lead = (sub.lo[:n], sub.hi[:n])
+            if n and lead in seen_lead:  # same members as a box already seen
+                continue
+            seen_lead.add(lead)
             for slot, _, _ in members(s.slot, s.box, sub):
                 names.add(slot.name)
         bufs = self.layout._buffers(*model)
@@ -150,11 +155,32 @@ class _Side:
                            for box, slots in v.items()}) for k, v in entries.items()}
 
 
+def _classes(L: Layout) -> tuple[dict[Model, list[int]], list[Model]]:
+    """Ranks per model-parallel class, and each rank's class: the mesh's arithmetic on all
+    ranks at once (a per-rank ``coords`` call costs seconds at 100k ranks)."""
+    ranks = np.arange(L.world, dtype=np.int64)
+
+    def coords(grid) -> dict[str, np.ndarray]:
+        return {t: (ranks // st) % n for t, n, st in zip(grid.order, grid.sizes, grid.strides())}
+
+    d, e = coords(L.mesh.dense), coords(L.mesh.expert)
+    cols = (d["pp"], d["tp"], e["ep"], e["tp"])
+    keys = np.stack(cols, axis=1)
+    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    models = [tuple(int(x) for x in row) for row in uniq]
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.searchsorted(inverse[order], np.arange(len(models) + 1))
+    classes = {m: order[bounds[i]:bounds[i + 1]].tolist() for i, m in enumerate(models)}
+    return classes, [models[i] for i in inverse.tolist()]
+
+
 def _wanted(entries) -> dict[str, list[Box]]:
-    out: dict[str, list[Box]] = defaultdict(list)
+    """Distinct boxes per tensor key (replicas repeat the same boxes many times)."""
+    out: dict[str, dict[Box, None]] = defaultdict(dict)
     for s in entries:
-        out[s.key].append(s.box)
-    return out
+        out[s.key][s.box] = None
+    return {k: list(v) for k, v in out.items()}
 
 
 def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
@@ -195,9 +221,21 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
         # shards are only built when they may touch).
         touching: dict[int, list[Stored]] = defaultdict(list)
         for m in classes:
+            got = [e for e in d_side.params_of(m) if _touches(e, held)]
+            covered: dict[Model, list[Stored]] = {}  # per class of the taker's own device
             for r in d_side.classes[m]:
-                if r != me:
-                    touching[r].extend(e for e in dv.param_part(r) if _touches(e, held))
+                h = rank_on_device.get(dst.devices[r], -1)
+                if r == me or h == s:
+                    continue
+                if h >= 0:  # what the taker's own device holds it copies (sources, rule 1)
+                    hm = s_side.class_of[h]
+                    rest = covered.get(hm)
+                    if rest is None:
+                        rest = covered[hm] = [e for e in got
+                                              if not _holds(s_side.params_of(hm), e)]
+                else:
+                    rest = got
+                touching[r].extend(rest)
         for r in shard_ranks:
             if r != me:
                 touching[r].extend(e for e in dv.shard_part(r) if _touches(e, held))
@@ -208,6 +246,16 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
                 sends.extend(t for t in receives(r, tuple(touching[r]), index)
                              if t.src_rank == s)
     return recv, sends
+
+
+def _holds(entries: tuple[Stored, ...], e: Stored) -> bool:
+    """Whether ``entries`` (a source rank's parameters) hold all of ``e`` for all its kinds,
+    in one box (then every part of ``e`` comes from that rank: ``sources``' first rule)."""
+    for s in entries:
+        if s.key == e.key and s.primary and set(e.kinds) <= set(s.kinds) and (
+                not e.box.lo or (s.box & e.box) == e.box):
+            return True
+    return False
 
 
 def _touches(e: Stored, wanted: dict[str, list[Box]]) -> bool:
@@ -232,24 +280,26 @@ def _transfers(ans: Answer, dst_rank: int, here: int, dst_node: str, replica: in
     return out
 
 
-def plan_slice(src: Layout, dst: Layout, budget_bytes: int, device: str, *,
-               agree: Agree | None = None, spread: tuple[int, int] | None = None) -> Plan:
-    """``device``'s part of ``plan_transition(src, dst, budget_bytes)``, computed alone.
+@dataclass(frozen=True)
+class SlicePairs:
+    """A device's traffic before it is cut into rounds: its remote pairs in each direction
+    and its local copies (``slice_pairs``; ``finish_slice`` cuts them)."""
 
-    Give ``agree`` (this device's integer -> its maximum over every device of the switch,
-    e.g. an all-reduce MAX; called the same number of times on every device) or ``spread``
-    (the plan's (unit, rounds), e.g. ``plan.stats["spread"]`` of the global plan). The
-    result holds every message ``device`` sends or receives, in rounds numbered as in the
-    global plan, and its stats say what the slice took (``slice_seconds``).
+    device: str
+    outs: tuple[Pair, ...]
+    ins: tuple[Pair, ...]
+    local: tuple[Transfer, ...]
+    seconds: float
+
+
+def slice_pairs(src: Layout, dst: Layout, device: str) -> SlicePairs:
+    """The expensive part of ``plan_slice``, which needs no other device: intersect and pick
+    for everything ``device`` sends or receives, grouped into pairs.
 
     Raises:
-        PlanError: the layouts are not the same model, or the budget cannot be met.
+        PlanError: the layouts are not the same model, or ``device`` is in neither.
     """
     from .pipeline import check_compatible, replica_of  # pipeline imports this module's users
-    if (agree is None) == (spread is None):
-        raise PlanError("plan_slice needs exactly one of agree= or spread=")
-    if budget_bytes <= 0:
-        raise PlanError(f"--budget must be positive (got {budget_bytes})")
     if device not in src.devices and device not in dst.devices:
         raise PlanError(f"--device {device} is in neither layout")
     t0 = time.perf_counter()
@@ -264,17 +314,54 @@ def plan_slice(src: Layout, dst: Layout, budget_bytes: int, device: str, *,
         (local if s_dev == device else in_pairs[s_dev]).append(t)
     for t in sends:
         out_pairs[dst.devices[t.dst_rank]].append(t)
-    outs = [Pair(device, d, ts) for d, ts in sorted(out_pairs.items())]
-    ins = [Pair(s, device, ts) for s, ts in sorted(in_pairs.items())]
+    return SlicePairs(device, tuple(Pair(device, d, ts) for d, ts in sorted(out_pairs.items())),
+                      tuple(Pair(s, device, ts) for s, ts in sorted(in_pairs.items())),
+                      tuple(canonical(local)), time.perf_counter() - t0)
+
+
+def finish_slice(src: Layout, dst: Layout, budget_bytes: int, pairs: SlicePairs, *,
+                 agree: Agree | None = None, spread: tuple[int, int] | None = None) -> Plan:
+    """``pairs`` cut into the plan's rounds: with ``spread`` = (unit, rounds) given, or agreed
+    with the other devices through ``agree`` (see ``plan_slice``)."""
+    if (agree is None) == (spread is None):
+        raise PlanError("plan_slice needs exactly one of agree= or spread=")
+    if budget_bytes <= 0:
+        raise PlanError(f"--budget must be positive (got {budget_bytes})")
+    t0 = time.perf_counter()
+    outs, ins = list(pairs.outs), list(pairs.ins)
     if spread is None:
         assert agree is not None
         spread = agree_spread(outs, ins, budget_bytes, agree)
     unit, n = spread
-    rounds = rounds_of([*outs, *ins], {device: canonical(local)} if local else {}, unit, n)
+    dev = pairs.device
+    rounds = rounds_of([*outs, *ins], {dev: list(pairs.local)} if pairs.local else {}, unit, n)
     plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,
                 tuple(rounds), budget_bytes, ("param",) if dst.spec.state.derive_param else ())
-    plan.stats.update(device=device, spread=[unit, n], rounds=n,
+    plan.stats.update(device=dev, spread=[unit, n], rounds=n, budget_bytes=budget_bytes,
                       transfers=sum(len(m.transfers) for m in plan.messages()),
                       messages=sum(1 for m in plan.messages() if not m.local),
-                      slice_seconds=time.perf_counter() - t0)
+                      slice_seconds=pairs.seconds + time.perf_counter() - t0)
     return plan
+
+
+def plan_slice(src: Layout, dst: Layout, budget_bytes: int, device: str, *,
+               agree: Agree | None = None, spread: tuple[int, int] | None = None) -> Plan:
+    """``device``'s part of ``plan_transition(src, dst, budget_bytes)``, computed alone.
+
+    Give ``agree`` (this device's integer -> its maximum over every device of the switch,
+    e.g. an all-reduce MAX; called the same number of times on every device) or ``spread``
+    (the plan's (unit, rounds), e.g. ``plan.stats["spread"]`` of the global plan). The
+    result holds every message ``device`` sends or receives, in rounds numbered as in the
+    global plan; ``stats["device"]`` names the device (``verify`` then checks it as a slice)
+    and ``stats["slice_seconds"]`` says what it took.
+
+    Raises:
+        PlanError: the layouts are not the same model, the arguments are wrong, or the budget
+            cannot be met.
+    """
+    if (agree is None) == (spread is None):
+        raise PlanError("plan_slice needs exactly one of agree= or spread=")
+    if budget_bytes <= 0:
+        raise PlanError(f"--budget must be positive (got {budget_bytes})")
+    return finish_slice(src, dst, budget_bytes, slice_pairs(src, dst, device), agree=agree,
+                        spread=spread)

@@ -152,10 +152,15 @@ def fit_from(out_pairs: list[Pair], in_pairs: list[Pair], rounds: int, budget: i
     r = rounds
     while not (_fits(out_pairs, r, unit, half) and _fits(in_pairs, r, unit, half)):
         r += 1
-        if r > MAX_ROUNDS:
-            raise PlanError(f"the budget of {budget} bytes needs more than {MAX_ROUNDS} "
-                            "rounds for this switch")
+        if r > MAX_ROUNDS:  # returned, not raised: every device must see it (``agree``)
+            return MAX_ROUNDS + 1
     return r
+
+
+def _too_many(rounds: int, budget: int) -> None:
+    if rounds > MAX_ROUNDS:
+        raise PlanError(f"the budget of {budget} bytes needs more than {MAX_ROUNDS} rounds "
+                        "for this switch")
 
 
 Agree = Callable[[int], int]  # this device's value -> the maximum over all devices
@@ -170,6 +175,7 @@ def agree_spread(out_pairs: list[Pair], in_pairs: list[Pair], budget: int, agree
     r = agree(least_rounds(out_pairs, in_pairs, budget // 2))
     while True:
         nxt = agree(fit_from(out_pairs, in_pairs, r, budget, unit))
+        _too_many(nxt, budget)  # on every device alike
         if nxt == r:
             return unit, r
         r = nxt
@@ -206,6 +212,7 @@ def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int,
     while True:
         nxt = max((fit_from(outs.get(d, []), ins.get(d, []), r, budget, unit)
                    for d in devices), default=r)
+        _too_many(nxt, budget)
         if nxt == r:
             return unit, r
         r = nxt

@@ -52,6 +52,9 @@ def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = Non
         DynatrainError: ``reserve_bytes`` is not a whole number of bytes >= 0, or is given
             without a device memory to count it against.
     """
+    if plan.stats.get("device"):  # one device's slice (planner.slices): its own rules
+        from .slice import verify_slice
+        return verify_slice(plan, src, dst, plan.stats["device"], budget_bytes, limit)
     reserve_bytes = checked_reserve(reserve_bytes, topology)
     declared = Declared.of(plan, failed)
     with cycle_collector_paused():

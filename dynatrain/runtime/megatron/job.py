@@ -47,12 +47,15 @@ class Prepared:
     src: Layout
     dst_spec: LayoutSpec
     dst: Layout
-    plan: Plan
+    plan: Plan | None  # None: a slice whose rounds are cut at switch time (``pairs``)
     digest: bytes  # blake2b of the plan's canonical JSON, its summary (timings) left out
     plan_seconds: float
     verify_seconds: float
     generation: int | None  # the switch's number in the rendezvous (None: no rendezvous)
     in_place: bool  # same devices in the same, sorted order: the job's group runs the switch
+    # A same-devices switch plans only this device's slice (planner.slices): its pairs come
+    # from prepare, its rounds at switch time, once the job agrees on their number.
+    pairs: Any = None
 
 
 @dataclass

@@ -2,9 +2,15 @@
 on the same processes or on a world that shrinks or grows.
 
 Every process of the job owns a ``LiveSwitcher`` for its device. ``prepare(dst_spec)`` plans
-the switch and has it verified in a background thread while training goes on (the planner is
-deterministic, so every process computes the same plan on its own; ``switch`` confirms that
-by agreeing on the plan's digest before anything moves). ``switch(job)`` then, at an iteration
+the switch in a background thread while training goes on. For a same-devices switch each
+process plans only its own part (``planner.slices``: its sends, receives and local copies, in
+time that does not grow with the job's data-parallel size): at ``switch`` the job agrees on a
+digest of what determines the plan (both specs, budget, topology, planner), then on the plan's
+two global numbers (its cut unit and rounds, by all-reduces of one integer), and every process
+checks its own slice (``verify`` checks a slice as one; the union of those checks is the
+global verification) before anything moves. A switch to other devices plans the whole plan on
+every process (spares and joiners plan it too) and agrees on the plan's digest. ``switch(job)``
+then, at an iteration
 boundary, binds the job's state as IR storage (``extract_state``: views, no copies), sets up
 megatron's parallel state for the destination, builds the destination job with the caller's
 ``build`` (the code that built the job in the first place; it also seeds megatron's RNG streams
@@ -70,6 +76,7 @@ import json
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -82,6 +89,7 @@ from ...ir.spec import LayoutSpec
 from ...ir.state import transition_views
 from ...planner.cost import H100, Topology
 from ...planner.pipeline import plan_transition
+from ...planner.slices import finish_slice, slice_pairs
 from ...planner.serialize import plan_to_json
 from ..executor import SwitchAborted, switch
 from ..headroom import check_switch_headroom, job_cuda_device
@@ -91,6 +99,8 @@ from .job import (Builder, MegatronJob, Prepared, Refill, SwitchFailed, SwitchRe
 from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
 from .world import WorldSwitch
+
+SLICE_PLANNER = "spread-1"  # in the digest: processes must run the same planner
 
 
 class LiveSwitcher:
@@ -111,6 +121,9 @@ class LiveSwitcher:
             ``create_gloo_process_groups``), used for every layout.
         check_transfers: compare every transfer's fingerprint at both ends before a switch
             commits (``executor.switch``).
+        slices: plan a same-devices switch as this device's slice only (default); False
+            plans and verifies the whole plan on every process, as switches to other devices
+            and switches with ``check_transfers`` do.
         heartbeat: seconds between two beats of this process's heartbeat in the rendezvous
             (a daemon thread; None: no heartbeat). With heartbeats, ``unresponsive`` names
             processes that stopped, and ``recover`` stops waiting for them early.
@@ -131,7 +144,8 @@ class LiveSwitcher:
                  timeout: float = 60.0, group: dist.ProcessGroup | None = None,
                  topology: Topology = H100, init_kwargs: dict | None = None,
                  check_transfers: bool = False, heartbeat: float | None = None,
-                 stale_after: float | None = None, refill: Refill | None = None) -> None:
+                 stale_after: float | None = None, refill: Refill | None = None,
+                 slices: bool = True) -> None:
         self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
         if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
@@ -143,6 +157,7 @@ class LiveSwitcher:
         self.budget_bytes, self.timeout, self.group = budget_bytes, timeout, group
         self.topology, self.init_kwargs = topology, dict(init_kwargs or {})
         self.check_transfers = check_transfers
+        self.slices = slices
         self._cuda_device = job_cuda_device()  # here: the planning thread has its own device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynatrain-plan")
         self._pending: Future[Prepared] | None = None
@@ -209,6 +224,19 @@ class LiveSwitcher:
                               f"rendezvous: {len(src.devices)} devices ({src.devices[0]}, ...) "
                               f"-> {len(dst.devices)} ({dst.devices[0]}, ...)")
         t0 = time.perf_counter()
+        # check_transfers compares fingerprints in one table of the whole plan's transfers
+        # (``fingerprint.compare_transfers``): with it, every process plans the whole plan.
+        if in_place and self.slices and not self.check_transfers:
+            # Only this device's part; its rounds are cut at switch time, once the job has
+            # agreed on their number. The digest covers what determines the plan.
+            pairs = slice_pairs(src, dst, self.device)
+            doc = {"src": spec_to_dict(src_spec), "dst": spec_to_dict(dst_spec),
+                   "budget": self.budget_bytes, "topology": self.topology.model_dump(),
+                   "planner": SLICE_PLANNER}
+            text = json.dumps(doc, sort_keys=True).encode()
+            return Prepared(src_spec, src, dst_spec, dst, None,
+                            hashlib.blake2b(text, digest_size=16).digest(),
+                            time.perf_counter() - t0, 0.0, generation, in_place, pairs)
         plan = plan_transition(src, dst, self.budget_bytes, self.topology)
         t1 = time.perf_counter()
         self.verify(plan, src, dst)
@@ -221,6 +249,42 @@ class LiveSwitcher:
         return Prepared(src_spec, src, dst_spec, dst, plan,
                         hashlib.blake2b(text, digest_size=16).digest(), t1 - t0, t2 - t1,
                         generation, in_place)
+
+    def _cut_slice(self, prep: Prepared, job: MegatronJob) -> Prepared:
+        """This device's slice cut into the plan's rounds, verified: the job agrees on the
+        unit and the number of rounds (all-reduces of one integer), then on every process
+        having a slice that passes its checks (an all-reduce MIN); else nothing moved."""
+        assert self.layout is not None
+        t0 = time.perf_counter()
+        plan = failure = None
+        try:
+            plan = finish_slice(self.layout, prep.dst, self.budget_bytes, prep.pairs,
+                                agree=self._max)
+        except DynatrainError as err:  # the same on every process: all saw the same numbers
+            raise SwitchFailed(f"{self.device}: the switch did not start ({err}); the job is "
+                               "untouched", job) from err
+        t1 = time.perf_counter()
+        try:
+            self.verify(plan, self.layout, prep.dst)  # verify.check checks a slice as one
+            check_switch_headroom(plan, transition_views(self.layout, prep.dst)[1],
+                                  self.device, self._cuda_device)
+        except Exception as err:  # noqa: BLE001 — agreed below, then raised everywhere
+            failure = err
+        if not self._all_built(failure is None):
+            where = "this process" if failure is not None else "another process"
+            why = f": {type(failure).__name__}: {failure}" if failure is not None else ""
+            raise SwitchFailed(f"{self.device}: a plan slice failed its checks on {where}{why};"
+                               " the job is untouched", job) from failure
+        return replace(prep, plan=plan, plan_seconds=prep.plan_seconds + t1 - t0,
+                       verify_seconds=time.perf_counter() - t1)
+
+    def _max(self, value: int) -> int:
+        """``value``'s maximum over the job's processes (an all-reduce MAX)."""
+        x = torch.tensor([value], dtype=torch.int64)
+        if dist.get_backend(self.group) == "nccl":  # NCCL moves device memory only
+            x = x.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return int(x.item())
 
     def _cancel_open(self) -> None:
         if self._open is not None and self.leader and self.rendezvous is not None:
@@ -296,6 +360,8 @@ class LiveSwitcher:
             self._after(prep, result.role)
             return result
         self._open = None
+        if prep.plan is None:
+            prep = self._cut_slice(prep, job)
         return self._switch_in_place(job, prep, src, t)
 
     def _switch_in_place(self, job: MegatronJob, prep: Prepared, src: dict,

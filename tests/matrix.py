@@ -22,6 +22,7 @@ _PARALLEL_KEYS = {
     "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split", "use_distributed_optimizer",
     "num_distributed_optimizer_instances", "bucket_size", "order",
+    "pipeline_model_parallel_layout", "pad_buckets_for_high_nccl_busbw",
 }
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
@@ -84,6 +85,29 @@ CASES: list[dict] = [
     case("distopt-instances2-moe-ep2-edp4", 8, ep=2, tp=2, etp=1, swiglu=True,
          num_distributed_optimizer_instances=2, **MOE),
 ]
+
+# Megatron's other layout options (tests/test_layout_options.py): explicit pipeline layouts with
+# and without VPP (derived as stages / pp), uneven and empty stages, bus-bandwidth bucket padding
+# and kv_channels derived as hidden // heads.
+OPTION_CASES: list[dict] = [
+    case("layout-pp3-uneven", 6, pp=3, tp=2, num_layers=4, pipeline_model_parallel_layout="Et|tt|tL"),
+    case("layout-empty-first-stage", 3, pp=3, num_layers=3, untie_embeddings_and_output_weights=True,
+         pipeline_model_parallel_layout="|Ett|tL"),
+    case("layout-vpp2-repeat", 4, pp=2, num_layers=8, bucket_size=2000,
+         pipeline_model_parallel_layout="E(tt|)*3ttL"),
+    case("layout-vpp2-empty-chunks", 2, pp=2, num_layers=4,
+         pipeline_model_parallel_layout="Ett|tt||L"),
+    case("layout-vpp3-x-n", 2, pp=2, num_layers=7, pipeline_model_parallel_layout="Et*2|t|t,t|t||tL"),
+    case("layout-moe-pattern", 4, pp=2, ep=2, num_layers=4, moe_layer_freq=[0, 1, 0, 1],
+         pipeline_model_parallel_layout="Ettt|tL", **MOE),
+    case("pad-busbw-dp4-buckets", 4, pad_buckets_for_high_nccl_busbw=True, bucket_size=3000),
+    case("pad-busbw-moe-ep2-vpp", 8, pp=2, vpp=2, num_layers=4, ep=2, tp=2, etp=1, swiglu=True,
+         pad_buckets_for_high_nccl_busbw=True, **MOE),
+    case("pad-busbw-no-distopt", 2, pad_buckets_for_high_nccl_busbw=True,
+         use_distributed_optimizer=False),
+    case("kv-derived-floor-gqa", 4, tp=2, hidden_size=60, num_attention_heads=8,
+         num_query_groups=2, ffn_hidden_size=64),
+]
 # fmt: on
 
 
@@ -108,6 +132,15 @@ def to_harness_cfg(cfg: dict) -> dict:
     # Spell out DynaTrain's defaults (Megatron's own) so both sides build the same model.
     out.setdefault("position_embedding_type", "learned_absolute")
     out.setdefault("normalization", "LayerNorm")
+    overrides: dict = {}
     if out.pop("moe_shared_expert_gate", False):
-        out["transformer_config_overrides"] = {"moe_shared_expert_gate": True}
+        overrides["moe_shared_expert_gate"] = True
+    if (text := out.pop("pipeline_model_parallel_layout", None)) is not None:
+        overrides["pipeline_model_parallel_layout"] = text
+        # Megatron-LM passes the VPP the layout implies to initialize_model_parallel too.
+        out["vpp"] = to_spec(cfg).parallel.vpp
+    if overrides:
+        out["transformer_config_overrides"] = overrides
+    if out.pop("pad_buckets_for_high_nccl_busbw", False):
+        out["ddp_config_overrides"] = {"pad_buckets_for_high_nccl_busbw": True}
     return out

@@ -22,7 +22,12 @@ from hypothesis import strategies as st
 from dynatrain.ir.errors import DynatrainError
 from dynatrain.ir.layout import DTYPE_BYTES, Layout
 from dynatrain.ir.loader import spec_from_dict
-from dynatrain.ir.pipeline import PipelineSplit, split_problem
+from dynatrain.ir.pipeline import (
+    PipelineSplit,
+    layout_problem,
+    parse_layout,
+    split_problem,
+)
 from dynatrain.ir.spec import LayoutSpec, ModelConfig
 from dynatrain.ir.state import StateView
 
@@ -121,7 +126,8 @@ def pipelines(num_layers: int) -> tuple[dict, ...]:
 
     Even splits (optionally with the embedding/loss accounted as a layer, which can leave a
     stage with no layers), uneven first/last stages, and VPP on top of either. The first entry
-    is no pipeline at all, so that is what hypothesis shrinks to.
+    is no pipeline at all, so that is what hypothesis shrinks to. Layout strings are drawn
+    from ``layout_pipelines``.
     """
     L, out = num_layers, [{}]
     for pp in range(2, MAX_PP + 1):
@@ -145,11 +151,54 @@ def pipelines(num_layers: int) -> tuple[dict, ...]:
                                 and (rest // middle) % vpp == 0):
                     continue
                 out.append(_pipeline(pp, vpp, first, last, False, False))
-    return tuple(p for p in out if not p or split_problem(PipelineSplit(
+    return tuple(p for p in out if not p or _split_ok(L, p))
+
+
+@lru_cache(maxsize=64)
+def layout_pipelines(num_layers: int) -> tuple[dict, ...]:
+    """Pipelines given as a ``pipeline_model_parallel_layout`` string, pp <= MAX_PP."""
+    out = [{"pp": pp, "pipeline_model_parallel_layout": text}
+           for pp in range(2, MAX_PP + 1) for vpp in (1, 2, 3)
+           for text in _layout_strings(num_layers, pp, vpp)]
+    return tuple(p for p in out if _split_ok(num_layers, p))
+
+
+def _split_ok(L: int, p: dict) -> bool:
+    text = p.get("pipeline_model_parallel_layout")
+    if text is not None:
+        return layout_problem(parse_layout(text), p["pp"], L) is None
+    return split_problem(PipelineSplit(
         L, p["pp"], p.get("vpp"), p.get("decoder_first_pipeline_num_layers"),
         p.get("decoder_last_pipeline_num_layers"),
         p.get("account_for_embedding_in_pipeline_split", False),
-        p.get("account_for_loss_in_pipeline_split", False))) is None)
+        p.get("account_for_loss_in_pipeline_split", False))) is None
+
+
+def _layout_strings(L: int, pp: int, vpp: int, per_shape: int = 6) -> list[str]:
+    """A spread of ``pipeline_model_parallel_layout`` strings for ``pp * vpp`` stages: uneven
+    and empty stages, E/L markers on an empty edge stage or next to the first/last layer, and
+    Megatron's ``t*n``, ``(...)*n`` and ``,`` spellings (VPP is then derived as stages / pp)."""
+    S = pp * vpp
+    # Compositions of L into S parts (stars and bars), a deterministic spread of them.
+    comps = [tuple(b - a - 1 for a, b in zip((-1, *bars), (*bars, L + S - 1)))
+             for bars in itertools.combinations(range(L + S - 1), S - 1)]
+    picked = comps[:: max(1, len(comps) // per_shape)][:per_shape]
+    out = []
+    for i, counts in enumerate(picked):
+        stages = ["t" * n if (i + k) % 2 else (f"t*{n}" if n > 1 else "t" * n)
+                  for k, n in enumerate(counts)]
+        has = [k for k, n in enumerate(counts) if n]
+        first = has[0] if i % 3 == 1 else 0  # E may sit after empty leading stages
+        last = has[-1] if i % 3 == 2 else S - 1
+        stages[first] = "E" + stages[first]
+        stages[last] = stages[last] + "L"
+        text = "|".join(stages)
+        if i % 4 == 3 and len(set(stages[1:-1])) == 1 and S > 3:  # "(x|)*n" for equal middles
+            text = f"{stages[0]}|({stages[1]}|)*{S - 2}{stages[-1]}"
+        elif i % 4 == 2:
+            text = text.replace("|", ",|", 1)  # a cosmetic comma
+        out.append(text)
+    return out
 
 
 def _pipeline(pp: int, vpp: int | None, first: int | None, last: int | None, emb: bool,
@@ -169,16 +218,20 @@ def layouts(draw: st.DrawFn, model: dict, pool: tuple[str, ...] = POOL,
             max_world: int = MAX_WORLD) -> dict:
     """A parallel config and world for ``model`` that megatron-core accepts.
 
-    TP (incl. 3 and 6 where they divide), PP even/uneven/accounted, VPP, CP, DP, EP, ETP,
-    rank order, distributed optimizer (with instances and small buckets) or not, and a world
+    TP (incl. 3 and 6 where they divide), PP even/uneven/accounted or an explicit layout
+    string, VPP, CP, DP, EP, ETP, rank order, distributed optimizer (with instances, small
+    buckets and bus-bandwidth padding) or not, and a world
     of at most ``max_world`` ranks: ``nodes x gpus_per_node`` or an arbitrary ordered subset
     of ``pool``.
     """
     m = ModelConfig.model_validate(model)
     tps = [t for t in range(1, min(8, max_world) + 1) if _tp_ok(m, t)]
     tp = draw(st.sampled_from(tps[:1] + tps[1:] * 2))  # tp > 1 twice as likely as tp = 1
-    pipe = draw(st.sampled_from([p for p in pipelines(m.num_layers)
-                                 if tp * p.get("pp", 1) <= max_world]))
+    pipes = [p for p in pipelines(m.num_layers) if tp * p.get("pp", 1) <= max_world]
+    if draw(st.integers(0, 3)) == 3:  # an explicit layout string a quarter of the time
+        pipes = [p for p in layout_pipelines(m.num_layers)
+                 if tp * p["pp"] <= max_world] or pipes
+    pipe = draw(st.sampled_from(pipes))
     pp = pipe.get("pp", 1)
     cp = draw(st.sampled_from([c for c in (1, 2, 1, 3) if tp * pp * c <= max_world]))
     dp = draw(st.integers(1, max_world // (tp * pp * cp)))
@@ -203,13 +256,15 @@ def layouts(draw: st.DrawFn, model: dict, pool: tuple[str, ...] = POOL,
         edp = world // (etp * ep * pp)
         inst_of = math.gcd(inst_of, edp)  # and the expert data-parallel size
     par["use_distributed_optimizer"] = distopt
+    if draw(st.integers(0, 4)) == 0:  # pads buckets to 2**16 (only with the dist-opt)
+        par["pad_buckets_for_high_nccl_busbw"] = True
     if distopt and inst_of > 1 and draw(st.integers(0, 3)) == 0:
         par["num_distributed_optimizer_instances"] = draw(st.sampled_from(_divisors(inst_of)[1:]))
     if draw(st.booleans()):
         par["overlap_grad_reduce"] = True
         if draw(st.integers(0, 3)):  # else Megatron's default: one bucket
             par["bucket_size"] = draw(st.integers(1, 3000))
-    order = draw(_orders(bool(m.num_moe_experts) and pp > 1))
+    order = draw(_orders((bool(m.num_moe_experts) or cp > 1) and pp > 1))
     if order != DEFAULT_ORDER:
         par["order"] = order
     return {"model": model, "parallel": par, "world": draw(_worlds(world, pool))}
@@ -218,8 +273,9 @@ def layouts(draw: st.DrawFn, model: dict, pool: tuple[str, ...] = POOL,
 def _orders(pp_last: bool) -> st.SearchStrategy[str]:
     """Megatron's default order, its tp-pp-dp alternative, or any permutation.
 
-    With experts and pp > 1 an order not ending in pp needs the dense and expert grids to
-    agree on pipeline groups (rules.py), so there pp stays last.
+    With experts (or cp > 1: the expert grid has no cp) and pp > 1 an order not ending in pp
+    needs the dense and expert grids to agree on DP sizes and pipeline groups (rules.py), so
+    there pp stays last.
     """
     if pp_last:
         rest = st.permutations(TOKENS[:4]).map(lambda t: "-".join((*t, "pp")))

@@ -46,7 +46,9 @@ def _events(t: Transition) -> None:
                      ("no distopt", not p.use_distributed_optimizer),
                      ("distopt instances > 1", p.num_distributed_optimizer_instances > 1),
                      ("buckets", p.bucket_size is not None),
-                     ("non-default order", p.order != "tp-cp-ep-dp-pp")):
+                     ("non-default order", p.order != "tp-cp-ep-dp-pp"),
+                     ("pp layout string", p.pipeline_model_parallel_layout is not None),
+                     ("pad busbw", p.pad_buckets_for_high_nccl_busbw)):
         if on:
             event(f"dst {flag}")
 
@@ -108,6 +110,9 @@ COVERAGE = {
     "small buckets": _both(lambda s: s.parallel.overlap_grad_reduce
                            and (s.parallel.bucket_size or 1 << 30) < 1000),
     "order": _both(lambda s: s.parallel.order != "tp-cp-ep-dp-pp"),
+    "pp layout string": _both(lambda s: s.parallel.pipeline_model_parallel_layout is not None),
+    "pad busbw": _both(lambda s: s.parallel.pad_buckets_for_high_nccl_busbw
+                       and s.parallel.use_distributed_optimizer),
     "device list": _both(lambda s: s.world.devices is not None),
     "grow": _grows,
     "shrink": _shrinks,

@@ -1,10 +1,12 @@
 """The IR against megatron-core itself: real models built on CPU under gloo, compared one to one.
 
 For every configuration of the matrix, every rank's facts from ``dynatrain.ir.facts`` must equal
-what megatron-core 0.16.1 reports: coordinates and groups, each checkpoint ShardedTensor (key,
-global shape/offset, local shape, fragmentations, replica id, the parameter it views and where in
-it), ``named_parameters()`` order and shapes, DDP buffers (bucket bounds, per-parameter ranges)
-and the DistributedOptimizer's per-rank ranges.
+what the installed megatron-core reports (CI: 0.16.1 on Python 3.11, 0.19.2 on 3.12; a spec
+means the installed version by default): coordinates and groups, each checkpoint ShardedTensor
+(key, global shape/offset, local shape, fragmentations, replica id, the parameter it views and
+where in it), ``named_parameters()`` order and shapes, DDP buffers (bucket bounds, per-parameter
+ranges) and the DistributedOptimizer's per-rank ranges. Layouts that differ between versions:
+``test_versions_parity.py``.
 """
 
 from __future__ import annotations

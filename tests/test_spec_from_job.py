@@ -161,12 +161,9 @@ def test_moe_layer_freq_pattern_string() -> None:
 
 
 @pytest.mark.parametrize("arg, value", [
-    ("transformer_impl", "transformer_engine"),
-    ("moe_grouped_gemm", True),
-    ("pipeline_model_parallel_layout", "Et|tt|tL"),
+    ("moe_use_legacy_grouped_gemm", True),
     ("fp8", "hybrid"),
     ("multi_latent_attention", True),
-    ("ddp_pad_buckets_for_high_nccl_busbw", True),
 ])
 def test_unsupported_arguments_refused_in_one_line(arg, value) -> None:
     with pytest.raises(SpecError) as err:
@@ -175,11 +172,55 @@ def test_unsupported_arguments_refused_in_one_line(arg, value) -> None:
     assert "\n" not in text and text.startswith(f"{arg}: is not supported by DynaTrain yet")
 
 
+def test_layout_pad_buckets_and_kv_channels_args() -> None:
+    """--pipeline-model-parallel-layout (VPP derived as validate_args does),
+    --ddp-pad-buckets-for-high-nccl-busbw and --kv-channels map into the spec; bad values get
+    one line naming the argument."""
+    args = {**LLAMA70_ARGS, "pipeline_model_parallel_layout": "Et*9|(t*10|)*6,t*11L",
+            "ddp_pad_buckets_for_high_nccl_busbw": True}
+    spec = read_megatron(args, W16).spec
+    p = spec.parallel
+    assert (p.pipeline_model_parallel_layout, p.vpp, p.pad_buckets_for_high_nccl_busbw) == (
+        "Et*9|(t*10|)*6,t*11L", 2, True)
+    assert [c.layers[:1] for c in Layout(spec).chunks(0)] == [(0,), (39,)]
+    # After validate_args, args carry the derived VPP too; a different one is refused.
+    assert read_megatron({**args, "virtual_pipeline_model_parallel_size": 2}, W16).spec == spec
+    bad = [({"virtual_pipeline_model_parallel_size": 3}, "virtual_pipeline_model_parallel_size: "
+            "conflicts with pipeline_model_parallel_layout"),
+           ({"num_virtual_stages_per_pipeline_rank": 2}, "num_virtual_stages_per_pipeline_rank: "
+            "cannot be combined with pipeline_model_parallel_layout"),
+           ({"pipeline_model_parallel_layout": "Et*79|L"}, "pipeline_model_parallel_layout: "
+            "has 2 stages, which must be a multiple of pp=4"),
+           ({"pipeline_model_parallel_layout": "Et*9|(t*10|)*6,t*11mL"},
+            "pipeline_model_parallel_layout: has multi-token prediction layers"),
+           ({"pipeline_model_parallel_layout": 7}, "pipeline_model_parallel_layout: "),
+           ({"ddp_pad_buckets_for_high_nccl_busbw": "yes"},
+            "ddp_pad_buckets_for_high_nccl_busbw: "),
+           ({"kv_channels": None, "hidden_size": 8200}, "hidden_size: must be divisible by "
+            "num_attention_heads=64 without kv_channels")]
+    for change, start in bad:
+        with pytest.raises(SpecError) as err:
+            read_megatron({**args, **change}, W16)
+        assert "\n" not in str(err.value) and str(err.value).startswith(start), str(err.value)
+
+
+def test_core_config_layout_and_derived_kv_channels() -> None:
+    """A TransformerConfig holds the parsed layout object and kv_channels = hidden // heads
+    (no divisibility check in megatron-core); both come through."""
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                        pad_buckets_for_high_nccl_busbw=True)
+    cfg = _core_config(pipeline_model_parallel_layout="Ettt|t*5L", hidden_size=120,
+                       kv_channels=None)
+    assert cfg.kv_channels == 15
+    spec = read_megatron(cfg, (8, 4), ddp_config=ddp,
+                         extra={"padded_vocab_size": 1024, "position_embedding_type": "rope"}).spec
+    assert (spec.model.head_dim, spec.parallel.pipeline_model_parallel_layout, spec.parallel.vpp,
+            spec.parallel.pad_buckets_for_high_nccl_busbw) == (15, "Ettt|t*5L", None, True)
+
+
 def test_transformer_engine_is_megatron_lm_default() -> None:
     args = {k: v for k, v in LLAMA70_ARGS.items() if k != "transformer_impl"}
-    with pytest.raises(SpecError, match=r"^transformer_impl: is not supported .*"
-                       r"\(got 'transformer_engine'\)$"):
-        read_megatron(args, W16)
+    assert read_megatron(args, W16).spec.model.transformer_impl == "transformer_engine"
 
 
 @pytest.mark.parametrize("change, message", [
@@ -259,8 +300,8 @@ def test_real_transformer_config_gives_the_hand_written_spec() -> None:
 
 def test_real_transformer_config_refusals_use_core_names() -> None:
     extra = {"padded_vocab_size": 1024, "position_embedding_type": "rope"}
-    with pytest.raises(SpecError, match=r"^transformer_impl: is not supported"):
-        read_megatron(_core_config(transformer_impl="transformer_engine"), (8, 4), extra=extra)
+    assert read_megatron(_core_config(transformer_impl="transformer_engine"), (8, 4),
+                         extra=extra).spec.model.transformer_impl == "transformer_engine"
     with pytest.raises(SpecError) as err:  # named as the config names it
         read_megatron(_core_config(num_moe_experts=5), (8, 4), extra=extra)
     assert str(err.value) == "expert_model_parallel_size: must divide num_moe_experts=5 (got 2)"
@@ -353,6 +394,6 @@ def test_cli_spec_from_hf_and_from_args(tmp_path, capsys) -> None:
     args.write_text("[1, 2]")
     assert main(["spec", "--from-args", str(args)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
-    args.write_text(_json.dumps({"transformer_impl": "transformer_engine", "num_layers": 2}))
+    args.write_text(_json.dumps({"fp8": "hybrid", "num_layers": 2}))
     assert main(["spec", "--from-args", str(args), "--world", "nodes=1,gpus_per_node=8"]) == 2
-    assert "transformer_impl" in capsys.readouterr().err
+    assert "fp8" in capsys.readouterr().err

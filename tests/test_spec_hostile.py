@@ -583,3 +583,56 @@ def test_largest_num_layers_is_refused(num_layers):
                           text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("refused: model.num_layers"), (
         proc.stdout + proc.stderr[-300:])
+
+
+# ---- pipeline layout strings and the bucket padding flag -----------------------------------
+
+LAYOUT_ALPHABET = "EEtttttLLm||||()**0123456789,x \u0663"
+
+
+@settings(HOSTILE, max_examples=400)
+@given(text=st.one_of(st.text(alphabet=LAYOUT_ALPHABET, max_size=40),
+                      st.sampled_from(["", "|", "E" + "(t*99999999)" * 3 + "L",
+                                       "E" + "(" * 500 + "t" + ")*2" * 500 + "L",
+                                       "E(t|)*" + "9" * 5000 + "L", "Et*\u0663|tL"])),
+       pp=st.sampled_from([1, 2, 3]), vpp=st.sampled_from([None, 1, 2]))
+def test_hostile_pipeline_layouts(text, pp, vpp):
+    """Any layout string gives a compiled layout or one clean line, fast: refusals name the
+    layout (or the vpp/pp it disagrees with)."""
+    spec = copy.deepcopy(TINY_DENSE)
+    spec["parallel"] = {"pp": pp, "pipeline_model_parallel_layout": text, "vpp": vpp,
+                        "pad_buckets_for_high_nccl_busbw": True}
+    spec["model"]["num_layers"] = 4
+    spec["world"] = {"nodes": 1, "gpus_per_node": 2 * pp}
+    start = time.perf_counter()
+    try:
+        layout = Layout(spec_from_dict(spec))
+    except SpecError as err:
+        assert_clean_error(err, TOP_LEVEL)
+        assert err.field in ("parallel.pipeline_model_parallel_layout", "parallel.vpp",
+                             "parallel.pp"), str(err)
+    else:
+        assert sum(len(c.layers) for r in range(pp) for c in layout.chunks(r)) == 4
+    assert time.perf_counter() - start < 2.0
+
+
+def test_hostile_layout_types_and_cli_exit_code(tmp_path):
+    for bad in (["E", "tttttttt", "L"], 3, {"E": 1}, True, "x" * 70000):
+        spec = copy.deepcopy(TINY_DENSE)
+        spec["parallel"] = {"pp": 2, "pipeline_model_parallel_layout": bad}
+        with pytest.raises(SpecError) as err:
+            spec_from_dict(spec)
+        assert_clean_error(err.value, TOP_LEVEL)
+        assert err.value.field == "parallel.pipeline_model_parallel_layout"
+    path = tmp_path / "bad-layout.yaml"
+    path.write_text("model: {num_layers: 4, hidden_size: 64, num_attention_heads: 4, "
+                    "vocab_size: 100}\nparallel: {pp: 2, pipeline_model_parallel_layout: "
+                    "'Et|t(t|tL', pad_buckets_for_high_nccl_busbw: true}\n"
+                    "world: {nodes: 1, gpus_per_node: 2}\n")
+    proc = subprocess.run([sys.executable, "-m", "dynatrain.cli", "layout", str(path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "dynatrain: error: parallel.pipeline_model_parallel_layout: has the invalid layer "
+        "character '(' after unrolling (known: E embedding, t decoder layer, m MTP layer, "
+        "L loss; '(...)*n', 'x*n', ',' and '|' as separators) (got 'Et|t(t|tL')"], proc.stderr

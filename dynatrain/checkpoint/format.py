@@ -233,9 +233,10 @@ def _index(path: str, md) -> tuple[dict[str, CkptTensor], dict[str, int]]:
             name = info.relative_path
             if not isinstance(name, str) or not _CHUNK_FILE.match(name):
                 raise _fail(path, f"{key}: chunk file name {name!r} is not __<rank>_<i>.distcp")
-            if info.transform_descriptors:
+            transforms = getattr(info, "transform_descriptors", None)  # torch >= 2.7 only
+            if transforms:
                 raise _fail(path, f"{key}: chunk stored with transforms "
-                                  f"{list(info.transform_descriptors)} (DynaTrain reads plain "
+                                  f"{list(transforms)} (DynaTrain reads plain "
                                   "torch.save chunks)")
             if info.offset < 0 or info.length <= 0:
                 raise _fail(path, f"{key}: chunk at {list(off)} has a bad byte range")

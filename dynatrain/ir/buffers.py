@@ -2,8 +2,10 @@
 
 Rules (megatron-core 0.16.1 ``_ParamAndGradBuffer.__init__`` and ``DistributedOptimizer``):
 params are placed in reverse ``named_parameters()`` order; with the distributed optimizer each
-param starts on a multiple of 64 elements and each bucket end is padded to lcm(D, 128); a bucket
-closes once it holds ``bucket_size`` elements; a shared-embedding param gets a bucket of its own.
+param starts on a multiple of 64 elements and each bucket end is padded to lcm(D, 128), or to
+lcm(D, 128, 2**16) with ``pad_buckets_for_high_nccl_busbw`` (param_and_grad_buffer.py:638-655); a
+bucket closes once it holds ``bucket_size`` elements; a shared-embedding param gets a bucket of
+its own.
 Bucket [bs, be) is cut into D equal ranges and optimizer rank r owns the r-th.
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .errors import LayoutError
+from .versions import series
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +58,15 @@ class OwnedRange:
 @lru_cache(maxsize=1 << 14)
 def layout_buffer(
     chunk: int, is_expert: bool, dtype: str, params: tuple[tuple[str, int, bool], ...],
-    dp_size: int, bucket_size: int | None, distributed_optimizer: bool,
+    dp_size: int, bucket_size: int | None, distributed_optimizer: bool, *,
+    pad_for_busbw: bool = False,
 ) -> BufferLayout:
-    """Place ``params`` = ((name, numel, shared_embedding), ...) given in named_parameters order."""
+    """Place ``params`` = ((name, numel, shared_embedding), ...) given in named_parameters order.
+
+    ``pad_for_busbw`` is DDP's ``pad_buckets_for_high_nccl_busbw``: like all bucket padding it
+    only acts with the distributed optimizer."""
     pad_param = (lambda i: -(-i // 64) * 64) if distributed_optimizer else (lambda i: i)
-    div = math.lcm(dp_size, 128)
+    div = math.lcm(dp_size, 128, 1 << 16) if pad_for_busbw else math.lcm(dp_size, 128)
     pad_bucket = (lambda i: -(-i // div) * div) if distributed_optimizer else (lambda i: i)
     placed: list[BufferParam] = []
     buckets: list[tuple[int, int]] = []
@@ -121,3 +128,10 @@ def owned_ranges(buf: BufferLayout, rank: int) -> tuple[OwnedRange, ...]:
 
 def _end(p: BufferParam) -> int:
     return p.end
+
+
+def experts_in_own_buffer(megatron_core: str, tp: int, ep: int, etp: int) -> bool:
+    """Whether expert params sit in DDP's expert buffer (sharded over expert DP) rather than the
+    dense one: megatron-core marks them ``allreduce=False`` when EP > 1, and from 0.19 also
+    when ETP != TP at EP = 1 (``versions.Series.etp_own_expert_buffer``)."""
+    return ep > 1 or (etp != tp and series(megatron_core).etp_own_expert_buffer)

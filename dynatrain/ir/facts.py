@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .layout import Layout
+from .model import chunk_extra_states
 from .shard import Shard
 
 
@@ -82,6 +83,25 @@ def optimizer_facts(layout: Layout, rank: int) -> list[dict[str, Any]] | None:
                 "chunk": b.chunk, "is_expert": b.is_expert, "bucket": o.bucket,
                 "param_name": o.name, "gbuf_world": list(o.gbuf_world),
                 "gbuf_local": list(o.gbuf_local), "param": list(o.param),
+            })
+    return out
+
+
+def extra_state_facts(layout: Layout, rank: int) -> list[dict[str, Any]]:
+    """The checkpoint ShardedObjects of ``rank``'s TE modules (their ``_extra_state``).
+
+    Replica id (0, TP rank, DP rank) with the module's own groups: ETP and expert-DP for
+    experts (M16 transformer/utils.py:120-126; extensions/transformer_engine.py:1789-1798).
+    """
+    c, p = layout.coords(rank), layout.parallel
+    out = []
+    for ch in layout.chunks(c.pp):
+        for d in chunk_extra_states(layout.model, p.ep, c.ep, ch.layers, ch.post_process):
+            out.append({
+                "chunk": ch.vp, "key": d.key,
+                "global_shape": [s for _, s in d.prepend] or [1],
+                "global_offset": [i for i, _ in d.prepend] or [0],
+                "replica_id": [0, c.etp, c.edp] if d.expert else [0, c.tp, c.dp_cp],
             })
     return out
 

@@ -56,15 +56,16 @@ _DEFAULTS: dict[str, Any] = dict(
     fp16=False, params_dtype=None, use_precision_aware_optimizer=False, main_params_dtype="fp32",
     exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32", optimizer="adam", world_size=None,
     data_parallel_size=None, transformer_pipeline_model_parallel_size=None,
+    pipeline_model_parallel_layout=None, ddp_pad_buckets_for_high_nccl_busbw=False,
+    # Megatron-LM builds Transformer Engine layers unless told otherwise (arguments.py).
+    transformer_impl="transformer_engine", moe_grouped_gemm=False,
 )
 MAPPED = frozenset(_DEFAULTS)
 
-# name -> (accepted values, what the others would need). Defaults are accepted, except
-# transformer_impl: Megatron-LM builds Transformer Engine layers unless told otherwise.
+# name -> (accepted values, what the others would need). Defaults are accepted.
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "transformer_impl": (("local",), "Transformer Engine layers; use --transformer-impl local"),
-    "moe_grouped_gemm": ((False,), "grouped-GEMM experts"),
-    "pipeline_model_parallel_layout": ((None, ""), "a pipeline layout string"),
+    # With moe_grouped_gemm: megatron's legacy GroupedMLP (one fused weight per layer).
+    "moe_use_legacy_grouped_gemm": ((False,), "the legacy GroupedMLP experts"),
     "fp8": ((None,), "fp8 training"),
     "fp8_param_gather": ((False,), "fp8 parameters"),
     "fp4": ((None,), "fp4 training"),
@@ -100,7 +101,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "data_parallel_sharding_strategy": (("no_shard",), "FSDP sharding"),
     "ddp_num_buckets": ((None,), "a bucket count (its size depends on each rank's "
                         "parameters); give ddp_bucket_size"),
-    "ddp_pad_buckets_for_high_nccl_busbw": ((False,), "NCCL bus-bandwidth bucket padding"),
     "optimizer_cpu_offload": ((False,), "optimizer state offloaded to the CPU"),
 }
 
@@ -208,7 +208,7 @@ moe_router_fusion moe_router_group_topk moe_router_load_balancing_type moe_route
 moe_router_padding_for_fp8 moe_router_padding_for_quantization moe_router_pre_softmax
 moe_router_topk_limited_devices moe_router_topk_scaling_factor moe_shared_expert_overlap
 moe_token_dispatcher_type moe_token_drop_policy moe_token_dropping moe_upcycling_granularity
-moe_use_legacy_grouped_gemm moe_use_upcycling moe_z_loss_coeff mrope_section mscale
+moe_use_upcycling moe_z_loss_coeff mrope_section mscale
 mscale_all_dim mtp_loss_scaling_factor mtp_standalone multiple_validation_sets
 muon_extra_scale_factor muon_fp32_matmul_prec muon_momentum muon_num_ns_steps muon_scale_mode
 muon_split_qkv muon_tp_mode muon_use_nesterov nccl_all_reduce_for_prefill
@@ -419,7 +419,7 @@ def _from_core(config: Any, ddp_config: Any) -> tuple[dict[str, Any], dict[str, 
 
 def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:
     for arg, (accepted, what) in UNSUPPORTED.items():
-        value = a.get(arg, "transformer_engine" if arg == "transformer_impl" else accepted[0])
+        value = a.get(arg, accepted[0])
         if not any(value is ok or (type(value) is type(ok) and value == ok) for ok in accepted):
             raise SpecError(label(arg), f"is not supported by DynaTrain yet ({what})",
                             _plain(value))
@@ -441,7 +441,12 @@ def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, tra
     origin.update({f"parallel.{short}": label(arg) for short, arg in _PARALLEL.items()})
     origin.update({f"parallel.{k}": label(k) for k in _PARALLEL_SAME})
     origin["parallel.bucket_size"] = label("ddp_bucket_size")
+    origin["parallel.pad_buckets_for_high_nccl_busbw"] = label(
+        "ddp_pad_buckets_for_high_nccl_busbw")
+    origin["parallel.pipeline_model_parallel_layout"] = label("pipeline_model_parallel_layout")
     origin["parallel.order"] = label("use_tp_pp_dp_mapping")
+    for field in ("transformer_impl", "moe_grouped_gemm"):
+        origin[f"model.{field}"] = label(field)
 
     model = {k: a[k] for k in _MODEL_SAME if a[k] is not None}
     model["num_moe_experts"] = a["num_experts"]
@@ -453,6 +458,8 @@ def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, tra
     if a["use_rotary_position_embeddings"]:
         model["position_embedding_type"] = "rope"
     model["moe_layer_freq"] = _moe_layer_freq(a["moe_layer_freq"], label("moe_layer_freq"))
+    model["transformer_impl"] = _plain(a["transformer_impl"])
+    model["moe_grouped_gemm"] = a["moe_grouped_gemm"]
     tp = a["tensor_model_parallel_size"]
     model["vocab_size"] = _vocab(a, tp, label, notes)
     if model.get("position_embedding_type") == "learned_absolute" and (
@@ -467,6 +474,16 @@ def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, tra
     if a["ddp_bucket_size"] is not None:
         parallel["bucket_size"] = a["ddp_bucket_size"]
     parallel["order"] = "tp-cp-ep-pp-dp" if a["use_tp_pp_dp_mapping"] else "tp-cp-ep-dp-pp"
+    layout = _layout(a["pipeline_model_parallel_layout"], label)
+    if layout is not None:
+        parallel["pipeline_model_parallel_layout"] = layout
+    if a["ddp_pad_buckets_for_high_nccl_busbw"] is not False:
+        parallel["pad_buckets_for_high_nccl_busbw"] = a["ddp_pad_buckets_for_high_nccl_busbw"]
+    if training and a["kv_channels"] is None and _int(a["num_attention_heads"]) and (
+            _int(a["hidden_size"]) and a["hidden_size"] % a["num_attention_heads"]):
+        raise SpecError(label("hidden_size"), "must be divisible by num_attention_heads="
+                        f"{a['num_attention_heads']} without kv_channels (Megatron-LM's "
+                        "validate_args asserts it)", a["hidden_size"])
     vpp = _vpp(a, label)
     if vpp is not None:
         parallel["vpp"] = vpp
@@ -563,6 +580,14 @@ def _vpp(a: dict[str, Any], label: Callable[[str], str]) -> Any:
     given = a["virtual_pipeline_model_parallel_size"]
     derived = a["num_virtual_stages_per_pipeline_rank"]
     per_stage = a["num_layers_per_virtual_pipeline_stage"]
+    if a["pipeline_model_parallel_layout"] not in (None, ""):
+        # validate_args: the layout alone sets VPP (the spec derives and checks it).
+        for arg in ("num_layers_per_virtual_pipeline_stage",
+                    "num_virtual_stages_per_pipeline_rank"):
+            if a[arg] is not None:
+                raise SpecError(label(arg), "cannot be combined with "
+                                "pipeline_model_parallel_layout", a[arg])
+        return None if given == 1 else given
     if per_stage is not None:
         arg = label("num_layers_per_virtual_pipeline_stage")
         if derived is not None:
@@ -586,6 +611,25 @@ def _vpp(a: dict[str, Any], label: Callable[[str], str]) -> Any:
                         f"disagrees with {source} (which gives {derived})", given)
     vpp = given if given is not None else derived
     return None if vpp == 1 else vpp
+
+
+_LAYER_CHARS = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+
+
+def _layout(v: Any, label: Callable[[str], str]) -> Any:
+    """The layout string: as given, or rebuilt from a TransformerConfig's parsed layout
+    (``PipelineParallelLayerLayout.input_data``: the string, or lists of layer names)."""
+    v = getattr(v, "input_data", v)
+    if v is None or v == "":
+        return None
+    if isinstance(v, (list, tuple)):
+        try:
+            return "|".join("".join(_LAYER_CHARS[str(getattr(x, "name", x)).strip().lower()]
+                                    for x in row) for row in v)
+        except (KeyError, TypeError):
+            raise SpecError(label("pipeline_model_parallel_layout"), "lists must hold the layer "
+                            "types embedding, decoder, mtp or loss", _plain(v)) from None
+    return v
 
 
 def _moe_layer_freq(v: Any, arg: str) -> Any:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from .buffers import BufferLayout, OwnedRange, layout_buffer, owned_ranges
+from .buffers import BufferLayout, OwnedRange, experts_in_own_buffer, layout_buffer, owned_ranges
 from .mesh import Mesh, RankCoords
 from .model import BufferDef, ParamDef, chunk_params, padded_vocab
 from .pipeline import stage_layers
@@ -56,6 +56,8 @@ class Layout:
                          etp=p.expert_tp, edp=self.edp)
         self.split = pipeline_split(spec)
         self.padded_vocab = padded_vocab(self.model, p.tp)
+        self.experts_own_buffer = experts_in_own_buffer(spec.megatron_core, p.tp, p.ep,
+                                                        p.expert_tp)
 
     def __repr__(self) -> str:
         p = self.parallel
@@ -121,8 +123,8 @@ class Layout:
     # ---- DDP buffers and the distributed optimizer -------------------------------------------
 
     def expert_in_own_buffer(self, d: ParamDef) -> bool:
-        """Local spec: an expert param leaves the dense buffer only when EP > 1."""
-        return d.expert and self.parallel.ep > 1
+        """Whether an expert param leaves the dense buffer (EP > 1; 0.19: also ETP != TP)."""
+        return d.expert and self.experts_own_buffer
 
     def rank_buffers(self, rank: int) -> tuple[BufferLayout, ...]:
         """DDP buffers of ``rank``: per chunk, the dense buffer then the expert buffer."""
@@ -131,7 +133,7 @@ class Layout:
 
     @lru_cache(maxsize=4096)
     def _buffers(self, pp: int, tp: int, ep: int, etp: int) -> tuple[BufferLayout, ...]:
-        if self.parallel.ep > 1:  # experts have buffers of their own: build each kind once
+        if self.experts_own_buffer:  # experts have buffers of their own: build each once
             dense, expert = self._group_buffers(pp, False, 0, tp), self._group_buffers(pp, True,
                                                                                         ep, etp)
             return tuple(b for pair in zip(dense, expert) for b in pair if b is not None)
@@ -168,8 +170,10 @@ class Layout:
         members = tuple((s.param.name, math.prod(s.local_shape), s.param.shared_embedding)
                         for s in shards)
         dp_size = (self.edp if expert else self.dp * p.cp) // inst
+        # Passed only when set: keeps the 7-argument call that tests wrap (test_megatron_parity).
+        busbw = {"pad_for_busbw": True} if p.pad_buckets_for_high_nccl_busbw else {}
         return layout_buffer(vp, expert, dtype, members, dp_size, size,
-                             p.use_distributed_optimizer)
+                             p.use_distributed_optimizer, **busbw)
 
     def optimizer_rank(self, rank: int, expert: bool) -> int:
         """The rank's index in the group that shards a (dense or expert) buffer."""

@@ -1,13 +1,30 @@
-"""The parameters megatron-core's GPT model (local spec) builds on one pipeline chunk.
+"""The parameters megatron-core's GPT model builds on one pipeline chunk.
 
 For a chunk (pipeline rank, virtual chunk) and an expert-parallel rank, ``chunk_params`` lists
 every parameter in ``named_parameters()`` order with its checkpoint key, full shape and how tensor
 parallelism splits it. That order matters: the DDP buffers place parameters in reverse of it.
+
+Two layer specs (``model.transformer_impl``), with the same shapes, splits and (but one) keys:
+
+* ``local``: ``input_layernorm``, attention (``linear_proj`` before ``linear_qkv``: attention
+  builds core attention and the output projection first, M16 transformer/attention.py:318,349),
+  ``pre_mlp_layernorm``, MLP; the norms' checkpoint keys are mapped onto the fused TE names
+  (M16 models/gpt/gpt_layer_specs.py:416-420).
+* ``transformer_engine``: the input norm lives in ``linear_qkv`` (TE LayerNormLinear registers
+  ``layer_norm_weight``, ``layer_norm_bias`` before ``weight``, ``bias``; TE
+  module/layernorm_linear.py:1449-1571), so it comes *after* ``linear_proj``; a dense layer's
+  pre-MLP norm likewise opens ``linear_fc1``. A MoE layer keeps a TENorm ``pre_mlp_layernorm``
+  whose key is its own, ``pre_mlp_layernorm.weight`` (the local spec saves it as
+  ``mlp.linear_fc1.layer_norm_weight``). With ``moe_grouped_gemm`` the experts are TE
+  GroupedLinear: ``linear_fc1.weight0``, ``bias0``, ``weight1`` ... interleaved (TE
+  module/grouped_linear.py:1738-1770), saved under the SequentialMLP keys, one expert index
+  each (M16 extensions/transformer_engine.py:1738-1799). Core attention holds no parameter
+  (vanilla softmax). ``parallel.sequence_parallel`` only sets TP attributes, so it is no input.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .spec import ModelConfig
@@ -100,6 +117,13 @@ def _norm(m: ModelConfig, name: str, key: str, pre: tuple, size: int) -> list[Pa
     return out
 
 
+def _fused_norm(m: ModelConfig, name: str, key: str, pre: tuple, size: int) -> list[ParamDef]:
+    """A norm fused into TE LayerNormLinear ``name`` (weight, then bias for LayerNorm)."""
+    kinds = ("weight", "bias") if m.normalization == "LayerNorm" else ("weight",)
+    return [ParamDef(f"{name}.layer_norm_{k}", f"{key}.layer_norm_{k}", (size,), pre)
+            for k in kinds]
+
+
 def _linear(name: str, key: str, out_f: int, in_f: int, pre: tuple, split: TPSplit | None,
             bias: bool, bias_split: bool, expert: bool = False) -> list[ParamDef]:
     w = ParamDef(f"{name}.weight", f"{key}.weight", (out_f, in_f), pre, split, expert)
@@ -119,17 +143,28 @@ def _layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep:
         key, pre = f"decoder.layers.{layer}", ()
     bias = m.add_bias_linear
     col, row = TPSplit(0, "tp"), TPSplit(1, "tp")
-    params += _norm(m, f"{name}.input_layernorm", f"{key}.self_attention.linear_qkv.layer_norm",
-                    pre, H)
+    te = m.transformer_impl == "transformer_engine"
+    if not te:
+        params += _norm(m, f"{name}.input_layernorm",
+                        f"{key}.self_attention.linear_qkv.layer_norm", pre, H)
     params += _linear(f"{name}.self_attention.linear_proj", f"{key}.self_attention.linear_proj",
                       H, np_ * hn, pre, row, bias, False)
+    if te:
+        params += _fused_norm(m, f"{name}.self_attention.linear_qkv",
+                              f"{key}.self_attention.linear_qkv", pre, H)
     params += _linear(f"{name}.self_attention.linear_qkv", f"{key}.self_attention.linear_qkv",
                       ng * (np_ // ng + 2) * hn, H, pre, col, bias, True)
     if m.qk_layernorm:
         for qk in ("q_layernorm", "k_layernorm"):
             params += _norm(m, f"{name}.self_attention.{qk}", f"{key}.self_attention.{qk}",
                             pre, hn)
-    params += _norm(m, f"{name}.pre_mlp_layernorm", f"{key}.mlp.linear_fc1.layer_norm", pre, H)
+    if not te:
+        params += _norm(m, f"{name}.pre_mlp_layernorm", f"{key}.mlp.linear_fc1.layer_norm",
+                        pre, H)
+    elif is_moe:
+        params += _norm(m, f"{name}.pre_mlp_layernorm", f"{key}.pre_mlp_layernorm", pre, H)
+    else:
+        params += _fused_norm(m, f"{name}.mlp.linear_fc1", f"{key}.mlp.linear_fc1", pre, H)
     glu = TPSplit(0, "tp", glu=m.swiglu)
     fc1_out = 2 if m.swiglu else 1
     if not is_moe:
@@ -146,7 +181,16 @@ def _layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep:
     per_rank = E // ep
     e_glu, e_row = TPSplit(0, "etp", glu=m.swiglu), TPSplit(1, "etp")
     ekey = f"{key}.mlp.experts.experts"
-    for j in range(per_rank):
+    if m.moe_grouped_gemm:  # TEGroupedMLP: one GroupedLinear per projection
+        for fc, out_f, in_f, split, b_split in (
+                ("linear_fc1", fc1_out * m.moe_ffn, H, e_glu, True),
+                ("linear_fc2", H, m.moe_ffn, e_row, False)):
+            for j in range(per_rank):
+                epre = pre + ((ep_rank * per_rank + j, E),)
+                for p in _linear(f"{name}.mlp.experts.{fc}", f"{ekey}.{fc}", out_f, in_f, epre,
+                                 split, bias, b_split, expert=True):
+                    params.append(replace(p, name=f"{p.name}{j}"))
+    for j in range(0 if m.moe_grouped_gemm else per_rank):
         epre = pre + ((ep_rank * per_rank + j, E),)
         ename = f"{name}.mlp.experts.local_experts.{j}"
         params += _linear(f"{ename}.linear_fc1", f"{ekey}.linear_fc1", fc1_out * m.moe_ffn, H,
@@ -162,3 +206,59 @@ def _layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep:
                           glu, False, True)
         params += _linear(f"{sname}.linear_fc2", f"{skey}.linear_fc2", H, fs, pre, row, False,
                           False)
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraStateDef:
+    """A Transformer Engine module's ``_extra_state``: one checkpoint ShardedObject.
+
+    Its global shape and offset are the layer (and expert) grid position, ``(1,)``/``(0,)``
+    without one (M16 transformer/utils.py:151-191); with fp8 off its data is an empty uint8
+    tensor (TE module/base.py:1385-1389, ops/op.py:702-703).
+    """
+
+    key: str
+    prepend: tuple[tuple[int, int], ...] = ()
+    expert: bool = False
+
+
+@lru_cache(maxsize=4096)
+def chunk_extra_states(m: ModelConfig, ep: int, ep_rank: int, layers: tuple[int, ...],
+                       post: bool) -> tuple[ExtraStateDef, ...]:
+    """The ``_extra_state`` objects of one chunk's TE modules (none for the local spec).
+
+    Every TE linear and TENorm has one; core attention emits none with the vanilla softmax
+    (M16 extensions/transformer_engine.py:1436-1455), and the embedding and output layer are
+    not TE modules. Each GEMM of a grouped linear saves its own, under the linear's key.
+    """
+    if m.transformer_impl != "transformer_engine":
+        return ()
+    out: list[ExtraStateDef] = []
+    moe = m.moe_pattern()
+    E = m.num_moe_experts or 0
+    for layer in layers:
+        if m.homogeneous_layers:
+            key, pre = "decoder.layers", ((layer, m.num_layers),)
+        else:
+            key, pre = f"decoder.layers.{layer}", ()
+        mods = ["self_attention.linear_proj", "self_attention.linear_qkv"]
+        if m.qk_layernorm:
+            mods += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
+        if not moe[layer]:
+            mods += ["mlp.linear_fc1", "mlp.linear_fc2"]
+        else:
+            mods.append("pre_mlp_layernorm")
+        out += [ExtraStateDef(f"{key}.{mod}._extra_state", pre) for mod in mods]
+        if not moe[layer]:
+            continue
+        per_rank = E // ep
+        for fc in ("linear_fc1", "linear_fc2"):
+            for j in range(per_rank):
+                out.append(ExtraStateDef(f"{key}.mlp.experts.experts.{fc}._extra_state",
+                                         pre + ((ep_rank * per_rank + j, E),), expert=True))
+        if m.moe_shared_expert_intermediate_size:
+            out += [ExtraStateDef(f"{key}.mlp.shared_experts.{fc}._extra_state", pre)
+                    for fc in ("linear_fc1", "linear_fc2")]
+    if post:
+        out.append(ExtraStateDef("decoder.final_layernorm._extra_state"))
+    return tuple(out)

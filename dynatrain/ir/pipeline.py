@@ -2,14 +2,90 @@
 
 Mirrors megatron-core 0.16.1's ``get_num_layers_to_build`` and ``get_transformer_layer_offset``
 formula for formula (even split, uneven first/last stage, VPP, embedding/loss accounted in the
-split), so odd combinations land where Megatron puts them. ``stage_layers`` then checks that the
-result partitions the layers; a spec that does not is rejected by the rules.
+split, or an explicit ``pipeline_model_parallel_layout`` string), so odd combinations land where
+Megatron puts them. ``stage_layers`` then checks that the result partitions the layers; a spec
+that does not is rejected by the rules.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
+
+# A layout string may expand to at most this many layer characters: Megatron would happily
+# build "t*10**12" in memory; a real layout has a few hundred.
+MAX_LAYOUT_CHARS = 1 << 20
+LAYOUT_CHARS = "ELtm"  # embedding, loss, decoder ("transformer"), multi-token prediction
+# megatron-core 0.16.1 pipeline_parallel_layer_layout.py:291-301, applied in this order, each in
+# one left-to-right pass (no nesting): "(ab|)*2" -> "ab|ab|", then "x*3" -> "xxx".
+_UNROLL = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
+
+
+class LayoutParseError(ValueError):
+    """A pipeline layout string megatron-core cannot parse; the message is the rule."""
+
+
+@lru_cache(maxsize=256)
+def parse_layout(text: str) -> tuple[str, ...]:
+    """The stages of a ``pipeline_model_parallel_layout`` string, in Megatron's order.
+
+    Commas are dropped, ``(...)*n`` and then ``x*n`` are unrolled, and the result is split on
+    ``|`` (megatron-core 0.16.1 ``PipelineParallelLayerLayout.parse_str_to_list``). Stage ``s``
+    belongs to pipeline rank ``s % pp``, virtual chunk ``s // pp``.
+
+    Raises:
+        LayoutParseError: an unknown character, or an expansion past ``MAX_LAYOUT_CHARS``.
+
+    Example:
+        >>> parse_layout("Et|(tt|)*2tL")
+        ('Et', 'tt', 'tt', 'tL')
+    """
+    s = text.replace(",", "")
+    for pattern in _UNROLL:
+        grow = 0
+        for m in pattern.finditer(s):
+            if len(m.group(2).lstrip("0")) > 7:  # int() of a long digit run alone is slow
+                raise LayoutParseError(f"repeats {m.group(0)[:20]!r} too many times")
+            grow += len(m.group(1)) * int(m.group(2)) - len(m.group(0))
+        if len(s) + grow > MAX_LAYOUT_CHARS:
+            raise LayoutParseError(f"expands to more than {MAX_LAYOUT_CHARS} characters")
+        s = pattern.sub(lambda m: m.group(1) * int(m.group(2)), s)
+    stages = tuple(s.split("|"))
+    for stage in stages:
+        bad = next((c for c in stage if c not in LAYOUT_CHARS), None)
+        if bad is not None:
+            raise LayoutParseError(f"has the invalid layer character {bad!r} after unrolling "
+                                   "(known: E embedding, t decoder layer, m MTP layer, L loss; "
+                                   "'(...)*n', 'x*n', ',' and '|' as separators)")
+    return stages
+
+
+def layout_problem(stages: tuple[str, ...], pp: int, num_layers: int) -> str | None:
+    """Why megatron-core 0.16.1 refuses these layout stages for ``pp`` and ``num_layers``
+    (``PipelineParallelLayerLayout.__init__`` and ``validate_layer_layout``), or None.
+
+    The model has no MTP layers (DynaTrain does not model ``mtp_num_layers``), so any ``m``
+    is refused, as megatron does when the counts differ.
+    """
+    if len(stages) % pp:
+        return f"has {len(stages)} stages, which must be a multiple of pp={pp}"
+    vpp = len(stages) // pp
+    flat = "".join(stages[v * pp + r] for v in range(vpp) for r in range(pp))
+    if not flat.startswith("E"):
+        return "must start with the embedding 'E' (the first layer in stage order)"
+    if not flat.endswith("L"):
+        return "must end with the loss 'L' (the last layer in stage order)"
+    if flat.count("E") != 1:
+        return f"must name the embedding 'E' exactly once, not {flat.count('E')} times"
+    if flat.count("L") != 1:
+        return f"must name the loss 'L' exactly once, not {flat.count('L')} times"
+    if flat.count("t") != num_layers:
+        return f"has {flat.count('t')} decoder layers 't' but num_layers={num_layers}"
+    if "m" in flat:
+        return ("has multi-token prediction layers 'm', but the model has none "
+                "(DynaTrain does not model mtp_num_layers yet)")
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,10 +99,18 @@ class PipelineSplit:
     last: int | None = None  # decoder_last_pipeline_num_layers
     account_embedding: bool = False
     account_loss: bool = False
+    layout: tuple[str, ...] | None = None  # pipeline_model_parallel_layout stages, parsed
+
+
+def _layout_chunk(s: PipelineSplit, pp_rank: int, vp: int | None) -> str:
+    assert s.layout is not None
+    return s.layout[(vp or 0) * s.pp + pp_rank]
 
 
 def num_layers_to_build(s: PipelineSplit, pp_rank: int, vp: int | None) -> int:
     """Layers built by pipeline rank ``pp_rank``, virtual chunk ``vp`` (Megatron's formula)."""
+    if s.layout is not None:  # transformer_block.py:90-93: the t's of that stage
+        return _layout_chunk(s, pp_rank, vp).count("t")
     if s.first is not None or s.last is not None:
         left, stages = s.num_layers, s.pp
         if s.first is not None:
@@ -54,6 +138,9 @@ def layer_offset(s: PipelineSplit, pp_rank: int, vp: int | None) -> int:
     """Global index of the first layer of (``pp_rank``, ``vp``) (Megatron's formula)."""
     if s.pp <= 1:
         return 0
+    if s.layout is not None:  # transformer_layer.py:50-53: t's of every earlier stage
+        before = s.layout[:(vp or 0) * s.pp + pp_rank]
+        return sum(stage.count("t") for stage in before)
     if s.first is not None or s.last is not None:
         middle_stages = s.pp - (s.first is not None) - (s.last is not None)
         f = s.first or 0

@@ -1,13 +1,22 @@
 """The rules megatron-core 0.16.1 enforces on a layout, checked up front with clear messages.
 
-Each rule names the field it is about. The list also rejects one combination megatron-core accepts
-but silently breaks (EP=1 with ETP != TP under the distributed optimizer, see the layout notes).
+Each rule names the field it is about. The list also rejects one combination megatron-core 0.16
+accepts but silently breaks (EP=1 with ETP != TP under the distributed optimizer, see the layout
+notes); 0.19 puts those experts in a buffer of their own, so a spec naming it passes
+(``spec.megatron_core``, ``versions.py``).
 """
 
 from __future__ import annotations
 
+from .buffers import experts_in_own_buffer
 from .errors import SpecError
-from .pipeline import PipelineSplit, split_problem
+from .pipeline import (
+    LayoutParseError,
+    PipelineSplit,
+    layout_problem,
+    parse_layout,
+    split_problem,
+)
 from .spec import LayoutSpec
 
 MAX_WORLD = 1 << 20
@@ -25,6 +34,8 @@ def pipeline_split(spec: LayoutSpec) -> PipelineSplit:
         first=p.decoder_first_pipeline_num_layers, last=p.decoder_last_pipeline_num_layers,
         account_embedding=p.account_for_embedding_in_pipeline_split,
         account_loss=p.account_for_loss_in_pipeline_split,
+        layout=None if p.pipeline_model_parallel_layout is None else parse_layout(
+            p.pipeline_model_parallel_layout),
     )
 
 
@@ -55,10 +66,18 @@ def _check_model(spec: LayoutSpec) -> None:
     m = spec.model
     _need(m.num_attention_heads % m.groups == 0, "model.num_query_groups",
           f"must divide num_attention_heads={m.num_attention_heads}", m.groups)
-    if m.kv_channels is None:
-        _need(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
-              f"must be divisible by num_attention_heads={m.num_attention_heads} "
-              "(or set kv_channels)", m.hidden_size)
+    if m.kv_channels is None:  # megatron-core derives hidden // heads, floored (no check)
+        _need(m.hidden_size >= m.num_attention_heads, "model.hidden_size",
+              f"must be at least num_attention_heads={m.num_attention_heads} when kv_channels "
+              "is not set (megatron-core derives kv_channels = hidden_size // heads = 0)",
+              m.hidden_size)
+    # The local spec's grouped GEMM is megatron's legacy GroupedMLP (one fused weight per
+    # layer), a layout the IR does not model; TE's GroupedLinear keeps one weight per expert.
+    _need(not m.moe_grouped_gemm or m.transformer_impl == "transformer_engine",
+          "model.moe_grouped_gemm", "needs transformer_impl=transformer_engine (the local "
+          "spec's grouped GEMM is the legacy GroupedMLP, not modelled)", True)
+    _need(not m.moe_grouped_gemm or m.num_moe_experts is not None, "model.moe_grouped_gemm",
+          "needs num_moe_experts", True)
     if isinstance(m.moe_layer_freq, tuple):
         _need(len(m.moe_layer_freq) == m.num_layers, "model.moe_layer_freq",
               f"a list must have one 0/1 entry per layer (num_layers={m.num_layers})",
@@ -125,6 +144,12 @@ def _check_parallel(spec: LayoutSpec) -> None:
     if m.num_moe_experts is None:
         _need(p.ep == 1, "parallel.ep", "needs a MoE model (num_moe_experts)", p.ep)
         _need(p.etp is None or p.etp == tp, "parallel.etp", "needs a MoE model", p.etp)
+        # megatron-core builds the expert grid (which has no cp) for dense models too, and
+        # asserts equal DP sizes unless pp is last (parallel_state.py:808-812).
+        _need(p.order.endswith("-pp") or p.pp == 1 or p.cp == 1, "parallel.order",
+              f"an order not ending in pp needs cp=1 when pp > 1: megatron-core's expert grid "
+              f"has no cp and must then have the same DP size (here {dp * p.cp} vs {dp})",
+              p.order)
         return
     _need(m.num_moe_experts % p.ep == 0, "parallel.ep",
           f"must divide num_moe_experts={m.num_moe_experts}", p.ep)
@@ -146,11 +171,14 @@ def _check_parallel(spec: LayoutSpec) -> None:
         _check_same_pp_groups(spec, dp, edp)
     _need(not (m.add_bias_linear and etp != 1), "parallel.etp",
           "MoE with add_bias_linear needs etp=1 in megatron-core", etp)
-    _need(not (p.ep == 1 and etp != tp and p.use_distributed_optimizer), "parallel.etp",
-          "etp != tp with ep=1 puts different expert slices at the same dense-buffer offsets "
-          "under the distributed optimizer, so megatron-core silently loses optimizer state; "
-          "use ep>1 or etp=tp", etp)
-    if p.ep == 1 and p.use_distributed_optimizer and p.cp > 1:
+    # Only where the experts stay in the dense buffer: ep=1, and on 0.19 also etp == tp.
+    dense_experts = not experts_in_own_buffer(spec.megatron_core, tp, p.ep, etp)
+    _need(not (dense_experts and etp != tp and p.use_distributed_optimizer), "parallel.etp",
+          f"etp != tp with ep=1 puts different expert slices at the same dense-buffer offsets "
+          f"under the distributed optimizer, so megatron-core {spec.megatron_core} silently "
+          "loses optimizer state; use ep>1, etp=tp or megatron-core 0.19 (which keeps these "
+          "experts in a buffer of their own)", etp)
+    if dense_experts and p.use_distributed_optimizer and p.cp > 1:
         _check_expert_slices_align(spec, dp, edp)
 
 
@@ -190,8 +218,38 @@ def _check_same_pp_groups(spec: LayoutSpec, dp: int, edp: int) -> None:
               p.order)
 
 
+def _check_layout(spec: LayoutSpec, text: str) -> None:
+    """megatron-core 0.16.1's checks of ``pipeline_model_parallel_layout``
+    (transformer_config.py:1307-1357, pipeline_parallel_layer_layout.py:24-150)."""
+    p, field = spec.parallel, "parallel.pipeline_model_parallel_layout"
+    others = [name for name in ("decoder_first_pipeline_num_layers",
+                                "decoder_last_pipeline_num_layers",
+                                "account_for_embedding_in_pipeline_split",
+                                "account_for_loss_in_pipeline_split")
+              if getattr(p, name) not in (None, False)]
+    _need(not others, field, f"cannot be combined with {', '.join(others)} (megatron-core "
+          "refuses any other pipeline split argument with a layout)", text[:40])
+    try:
+        stages = parse_layout(text)
+    except LayoutParseError as err:
+        raise SpecError(field, str(err), text[:40]) from None
+    _need(len(stages) % p.pp == 0, field,
+          f"has {len(stages)} stages, which must be a multiple of pp={p.pp}", text[:40])
+    vpp = len(stages) // p.pp
+    _need(p.vpp is None and vpp == 1 or p.vpp == vpp, "parallel.vpp",
+          f"conflicts with pipeline_model_parallel_layout, whose {len(stages)} stages over "
+          f"pp={p.pp} give vpp={vpp}", p.vpp)
+    _need(p.pp > 1 or vpp == 1, field, "with pp=1 must be one stage (more stages are virtual "
+          "pipeline chunks, which need pp > 1)", text[:40])
+    problem = layout_problem(stages, p.pp, spec.model.num_layers)
+    _need(problem is None, field, str(problem), text[:40])
+
+
 def _check_pipeline(spec: LayoutSpec) -> None:
     m, p = spec.model, spec.parallel
+    if p.pipeline_model_parallel_layout is not None:
+        _check_layout(spec, p.pipeline_model_parallel_layout)
+        return
     uneven = p.decoder_first_pipeline_num_layers is not None or (
         p.decoder_last_pipeline_num_layers is not None)
     if p.vpp is not None:

@@ -9,9 +9,22 @@ way the caller sees one ``SpecError`` naming the field, the rule and the value.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from . import versions
+from .pipeline import LayoutParseError, parse_layout
 
 PositiveInt = Annotated[StrictInt, Field(ge=1, le=1 << 40)]
 NonNegInt = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
@@ -23,7 +36,7 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """A GPT architecture in Megatron's argument names (local transformer spec)."""
+    """A GPT architecture in Megatron's argument names (local or Transformer Engine layers)."""
 
     num_layers: Annotated[StrictInt, Field(ge=1, le=10_000)]  # per-layer tables stay small
     hidden_size: PositiveInt
@@ -49,6 +62,10 @@ class ModelConfig(_Strict):
     moe_first_dense_layers: NonNegInt = 0  # convenience: the first k layers are dense
     moe_router_enable_expert_bias: StrictBool = False
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # Megatron's --transformer-impl: "local" (megatron's own modules; the default here) or
+    # "transformer_engine" (TE modules: norms fused into linear_qkv/linear_fc1, see model.py).
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    moe_grouped_gemm: StrictBool = False  # TE GroupedLinear experts (weight0..N-1)
 
     @property
     def groups(self) -> int:
@@ -106,8 +123,34 @@ class ParallelConfig(_Strict):
     use_distributed_optimizer: StrictBool = True
     num_distributed_optimizer_instances: PositiveInt = 1
     overlap_grad_reduce: StrictBool = False
+    # Megatron forces it off at tp=1; it only sets TP attributes, no layout fact (model.py).
+    sequence_parallel: StrictBool = False
     bucket_size: PositiveInt | None = None
+    # Dist-opt only (megatron ignores it otherwise): bucket ends padded to lcm(D, 128, 2**16).
+    pad_buckets_for_high_nccl_busbw: StrictBool = False
+    # Megatron's layout string, e.g. "Et|(tt|)*2tL"; stage s is (pp s % pp, vp s // pp).
+    pipeline_model_parallel_layout: Annotated[StrictStr, Field(max_length=1 << 16)] | None = None
     order: str = "tp-cp-ep-dp-pp"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vpp_from_layout(cls, data: Any) -> Any:
+        """VPP = layout stages / pp when not given, as megatron-core's TransformerConfig and
+        Megatron-LM's arguments derive it; the rules check a given VPP against the layout."""
+        if not isinstance(data, dict):
+            return data
+        text = data.get("pipeline_model_parallel_layout")
+        if not isinstance(text, str) or any(data.get(k) is not None for k in (
+                "vpp", "virtual_pipeline_model_parallel_size")):
+            return data
+        pp = data.get("pp", data.get("pipeline_model_parallel_size", 1))
+        try:
+            stages = len(parse_layout(text)) if len(text) <= 1 << 16 else 0
+        except LayoutParseError:
+            return data  # the rules name the problem
+        if type(pp) is int and pp >= 1 and stages % pp == 0 and stages // pp > 1:
+            return {**data, "vpp": stages // pp}
+        return data
 
     @field_validator("order")
     @classmethod
@@ -179,3 +222,12 @@ class LayoutSpec(_Strict):
     parallel: ParallelConfig = ParallelConfig()
     world: WorldConfig
     state: StateConfig = StateConfig()
+    # The megatron-core whose layout this is; layouts differ between versions (versions.py).
+    # Default: the installed megatron-core (read from package metadata), else 0.16.1; an
+    # installed version of an unknown series is refused by name, not silently replaced.
+    megatron_core: str = Field(default_factory=versions.default, validate_default=True)
+
+    @field_validator("megatron_core", mode="before")
+    @classmethod
+    def _known_megatron_core(cls, v: object) -> str:
+        return versions.normalize(v)

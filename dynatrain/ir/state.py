@@ -7,6 +7,16 @@ padding removed (padding rows are not data). A rank holds a tensor as ``Region``
 logical tensor and the slot in that rank's local storage where the box's elements sit
 (``slots``). Consumers that work on many ranks read ``Stored`` entries instead, where the
 layers and experts of a stage are one family region (``StackSlot``).
+
+Transformer Engine layouts: each TE module's ``_extra_state`` is not training state here. A
+switch re-initialises it instead of carrying it, which is exactly what megatron's reload does
+with fp8 off: TE saves an empty uint8 tensor (TE module/base.py:1385-1389, ops/op.py:702-703),
+loading an empty tensor returns without touching the module (base.py:1429-1431), and megatron's
+grouped-linear load hook returns early when there is no fp8 state (M16 extensions/
+transformer_engine.py:1553-1641). So a freshly built destination module already holds what a
+reload would give it (tests/test_te_parity.py checks both facts against megatron). fp8 jobs,
+whose extra state holds scales and amax histories, are refused when a spec is read
+(``from_job.UNSUPPORTED``).
 """
 
 from __future__ import annotations
@@ -290,7 +300,7 @@ class StateView:
         pp, tp, ep, etp = model
         if buf.is_expert:
             key = (pp, bi, -1, ep, etp, opt_rank)
-        elif self.layout.parallel.ep > 1:
+        elif self.layout.experts_own_buffer:
             key = (pp, bi, tp, -1, -1, opt_rank)
         else:
             key = (pp, bi, tp, ep, etp, opt_rank)

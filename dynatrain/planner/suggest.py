@@ -24,6 +24,7 @@ from functools import lru_cache
 from itertools import product
 from typing import Any
 
+from ..ir.buffers import experts_in_own_buffer
 from ..ir.errors import DynatrainError, SpecError
 from ..ir.layout import DTYPE_BYTES, Layout
 from ..ir.loader import spec_from_dict, spec_to_dict
@@ -291,6 +292,8 @@ def _enumerate(spec: LayoutSpec, devices: tuple[str, ...]
         if c["pp"] != spec.parallel.pp:  # uneven stages are set for the source's pp only
             par.pop("decoder_first_pipeline_num_layers", None)
             par.pop("decoder_last_pipeline_num_layers", None)
+        if c["pp"] != spec.parallel.pp or c.get("vpp") != spec.parallel.vpp:
+            par.pop("pipeline_model_parallel_layout", None)  # its stages fix pp and vpp
         par.update({k: v for k, v in c.items() if v is not None})
         try:
             cand = spec_from_dict({**doc, "parallel": par}, "candidate")
@@ -430,7 +433,8 @@ class _Footprint:
         """Optimizer elements per rank: its shard of each chunk's dense and expert buffer."""
         if not self.sharded:
             return sum(c.dense + c.expert for c in chunks)
-        own_expert_buffer = self.spec.parallel.ep > 1  # else experts sit in the dense buffer
+        # else experts sit in the dense buffer (EP = 1, and on 0.16 also ETP != TP)
+        own_expert_buffer = _own_expert_buffer(self.spec)
         total = 0
         for c in chunks:
             if own_expert_buffer:
@@ -526,7 +530,7 @@ def _kept(src: _Footprint, dst: _Footprint, cs: Any, cd: Any, opt_s: tuple[int, 
             # the destination shard's share of its buffer that the source shard also covers
             return (_overlap(opt_s[i], s_dp, opt_d[i], d_dp) if src.sharded else 1.0) / d_dp
 
-        if dp_.ep > 1:  # experts in a buffer of their own, sharded over expert DP
+        if _own_expert_buffer(dst.spec):  # experts in their own buffer, over expert DP
             opt = (dense * shard_share(0, dst.dense_dp, src.dense_dp)
                    + expert * shard_share(1, dst.expert_dp, src.expert_dp))
         else:
@@ -640,3 +644,9 @@ def _failure_options(failed: frozenset[str]) -> tuple[dict[str, Any], tuple[str,
 
 def _devices(n: int) -> str:
     return f"{n} device" + ("" if n == 1 else "s")
+
+
+def _own_expert_buffer(spec: LayoutSpec) -> bool:
+    """Whether the spec's megatron-core puts expert params in a DDP buffer of their own."""
+    p = spec.parallel
+    return experts_in_own_buffer(spec.megatron_core, p.tp, p.ep, p.expert_tp)

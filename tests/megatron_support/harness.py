@@ -1,5 +1,6 @@
-"""Ground-truth layout oracle: build REAL megatron-core 0.16.1 models on CPU and report what
-megatron itself computed (checkpoint metadata, DDP buffers/buckets, DistributedOptimizer shards).
+"""Ground-truth layout oracle: build REAL megatron-core models (the installed one: 0.16.1 or
+0.19.2) on CPU and report what megatron itself computed (checkpoint metadata, DDP
+buffers/buckets, DistributedOptimizer shards).
 
 ``megatron_facts(cfg, world_size)`` forks ``world_size`` workers (megatron is imported once, here,
 in the parent), each joins a gloo process group over loopback, runs
@@ -122,6 +123,11 @@ CFG_KEYS: dict[str, Any] = {
     "transformer_config_overrides": None,  # extra TransformerConfig kwargs, passed verbatim
     "ddp_config_overrides": None,  # extra DistributedDataParallelConfig kwargs (e.g. pad_buckets_for_high_nccl_busbw)
     "probes": None,  # optional extra measurements, see probes.py; adds facts["probes"]
+    # Transformer Engine layer specs (tests/megatron_support/te.py runs them over the CPU
+    # stand-in in tests/te_standin; "local" builds never import TE).
+    "transformer_impl": "local",  # or "transformer_engine"
+    "moe_grouped_gemm": False,  # TE: TEGroupedMLP experts instead of SequentialMLP
+    "sequence_parallel": False,  # forced off at tp == 1, as Megatron-LM's arguments do
 }
 
 
@@ -329,7 +335,7 @@ def _transformer_config(c: dict) -> TransformerConfig:
         context_parallel_size=c["cp"],
         expert_model_parallel_size=c["ep"],
         expert_tensor_parallel_size=c["etp"],
-        sequence_parallel=False,
+        sequence_parallel=bool(c["sequence_parallel"]) and c["tp"] > 1,
         num_layers_in_first_pipeline_stage=c["decoder_first_pipeline_num_layers"],
         num_layers_in_last_pipeline_stage=c["decoder_last_pipeline_num_layers"],
         account_for_embedding_in_pipeline_split=c["account_for_embedding_in_pipeline_split"],
@@ -364,10 +370,28 @@ def _transformer_config(c: dict) -> TransformerConfig:
             moe_router_enable_expert_bias=bool(c["moe_router_enable_expert_bias"]),
             moe_router_score_function=c["moe_router_score_function"],
             moe_token_dispatcher_type="allgather",
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=bool(c["moe_grouped_gemm"]),
         )
     kw.update(c["transformer_config_overrides"] or {})
     return TransformerConfig(**kw)
+
+
+def _te_spec(c: dict, config: TransformerConfig, vp_stage):
+    """Megatron-LM's TE specs (MT19 models/gpt.py:53-98): the decoder block spec for MoE
+    models, ``get_gpt_layer_with_transformer_engine_spec`` for dense ones. Imported here, so
+    only a process that has Transformer Engine (or its stand-in) importable asks for it."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if c["num_moe_experts"] is not None:
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization=c["normalization"],
+            vp_stage=vp_stage,
+        )
+    return get_gpt_layer_with_transformer_engine_spec(
+        num_experts=None, moe_grouped_gemm=False, qk_layernorm=bool(c["qk_layernorm"]),
+    )
 
 
 def _build(c: dict):
@@ -393,7 +417,9 @@ def _build(c: dict):
         vp_stage = i if c["vpp"] is not None else None
         pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        if c["num_moe_experts"] is not None:
+        if c["transformer_impl"] == "transformer_engine":
+            spec = _te_spec(c, config, vp_stage)
+        elif c["num_moe_experts"] is not None:
             spec = get_gpt_decoder_block_spec(
                 config, use_transformer_engine=False, normalization=c["normalization"],
                 vp_stage=vp_stage,

@@ -1,4 +1,6 @@
-"""Test-only CPU shim for megatron-core 0.16.1 (torch CPU build, gloo).
+"""Test-only CPU shim for megatron-core 0.16.1 and 0.19.2 (gloo; torch's CPU build, or on Python
+3.12 PyPI's CUDA build on a machine without a GPU). 0.19.2 needs no mapping beyond 0.16.1's: the
+parity, bridge and live-switch tests pass under it with this shim as is.
 
 Megatron hard-codes CUDA in a few construction paths: buffers/params allocated on
 ``torch.cuda.current_device()`` or ``device="cuda"``, ``weight.data.cuda()`` for the tied

@@ -1,0 +1,143 @@
+"""Transformer Engine configurations for the parity tests (tests/test_te_parity.py).
+
+Entries are ``matrix.case`` dicts (Megatron argument names + ``world``) plus the TE knobs
+``moe_grouped_gemm`` and ``sequence_parallel``; ``to_te_spec`` makes the DynaTrain spec with
+``model.transformer_impl: transformer_engine``. ``FAST`` (the default profile) covers every
+dimension once: dense and MoE, grouped and sequential experts, GQA, SwiGLU, biases, RMSNorm,
+qk-layernorm, PP/VPP, EP/ETP, sequence parallel, the distributed optimizer on and off.
+"""
+
+from __future__ import annotations
+
+from matrix import MOE, case, to_harness_cfg, to_spec_dict
+
+from dynatrain.ir.loader import spec_from_dict
+from dynatrain.ir.spec import LayoutSpec
+
+G = dict(moe_grouped_gemm=True)
+SP = dict(sequence_parallel=True)
+
+# fmt: off
+CASES: list[dict] = [
+    case("te-tp1-single", 1),
+    case("te-tp2-dp2", 4, tp=2),
+    case("te-tp2-sp-gqa2-swiglu-bias", 4, tp=2, num_query_groups=2, swiglu=True,
+         add_bias_linear=True, **SP),
+    case("te-tp4-gqa2-swiglu", 4, tp=4, num_query_groups=2, swiglu=True),
+    case("te-tp2-gqa2-swiglu-untied", 4, tp=2, num_query_groups=2, swiglu=True,
+         untie_embeddings_and_output_weights=True),
+    case("te-tp3-nonpow2", 3, tp=3, num_attention_heads=6, hidden_size=48, ffn_hidden_size=96,
+         num_query_groups=3, swiglu=True),
+    case("te-tp2-bias-layernorm", 2, tp=2, add_bias_linear=True),
+    case("te-tp2-rmsnorm-rope-qkln", 2, tp=2, normalization="RMSNorm",
+         position_embedding_type="rope", qk_layernorm=True),
+    case("te-tp1-sp-forced-off", 2, **SP),
+    case("te-dp4-no-distopt", 4, use_distributed_optimizer=False),
+    case("te-tp2-sp-no-distopt-swiglu", 4, tp=2, swiglu=True, use_distributed_optimizer=False,
+         **SP),
+    case("te-pp2-tied", 2, pp=2),
+    case("te-pp2-untied-tp2-sp", 4, pp=2, tp=2, untie_embeddings_and_output_weights=True, **SP),
+    case("te-pp2-vpp2-tied-tp2", 4, pp=2, vpp=2, num_layers=4, tp=2),
+    case("te-pp3-uneven-first", 3, pp=3, num_layers=5, decoder_first_pipeline_num_layers=1),
+    case("te-cp2-tp2", 4, cp=2, tp=2),
+    case("te-buckets-small", 2, bucket_size=2000),
+    case("te-moe-ep2-sequential", 2, ep=2, **MOE),
+    case("te-moe-ep2-grouped", 2, ep=2, **MOE, **G),
+    case("te-moe-ep2-etp1-tp2-grouped-sp", 4, tp=2, ep=2, etp=1, **MOE, **G, **SP),
+    case("te-moe-ep2-etp2-tp2-swiglu-grouped", 4, tp=2, ep=2, swiglu=True, **MOE, **G),
+    case("te-moe-ep2-etp2-tp2-swiglu-sequential", 4, tp=2, ep=2, swiglu=True, **MOE),
+    case("te-moe-ep4-etp1-swiglu-grouped", 4, ep=4, swiglu=True, **MOE, **G),
+    case("te-moe-ep1-tp2-swiglu-grouped", 2, tp=2, swiglu=True, **MOE, **G),
+    case("te-moe-ep1-tp2-sequential", 2, tp=2, **MOE),
+    case("te-moe-shared-gate-expert-bias-grouped", 4, tp=2, ep=2, etp=1, swiglu=True,
+         moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True,
+         moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid", **MOE, **G),
+    case("te-moe-dense-first-layer-grouped", 4, num_layers=3, tp=2, ep=2, etp=1,
+         moe_layer_freq=[0, 1, 1], **MOE, **G),
+    case("te-moe-freq2-pp2-grouped", 4, num_layers=4, pp=2, ep=2, moe_layer_freq=2, **MOE, **G),
+    case("te-moe-bias-etp1-grouped", 4, tp=2, ep=2, etp=1, add_bias_linear=True, **MOE, **G),
+    case("te-moe-bias-etp1-sequential", 4, tp=2, ep=2, etp=1, add_bias_linear=True, **MOE),
+    case("te-moe-rmsnorm-qkln-grouped", 2, ep=2, normalization="RMSNorm", qk_layernorm=True,
+         **MOE, **G),
+    case("te-moe-pp2-vpp2-ep2-tp2-grouped-sp", 8, num_layers=4, pp=2, vpp=2, tp=2, ep=2, etp=1,
+         swiglu=True, moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+         **MOE, **G, **SP),
+    case("te-moe-no-distopt-ep2-grouped", 4, ep=2, tp=2, etp=1, use_distributed_optimizer=False,
+         **MOE, **G),
+    case("te-moe-buckets-ep2-grouped", 4, ep=2, bucket_size=3000, **MOE, **G),
+    case("te-moe-instances2-edp4-grouped", 8, ep=2, tp=2, etp=1, swiglu=True,
+         num_distributed_optimizer_instances=2, **MOE, **G),
+]
+# fmt: on
+
+FAST_NAMES = (
+    "te-tp2-sp-gqa2-swiglu-bias",  # dense, TP, SP, GQA, SwiGLU, biases
+    "te-tp2-rmsnorm-rope-qkln",  # RMSNorm (no layer_norm_bias), qk norms
+    "te-dp4-no-distopt",  # plain DDP, no dist-opt
+    "te-pp2-vpp2-tied-tp2",  # PP, VPP, tied embedding
+    "te-moe-ep2-etp1-tp2-grouped-sp",  # grouped experts, EP, ETP != TP, SP
+    "te-moe-ep2-etp2-tp2-swiglu-sequential",  # sequential TE experts, ETP = TP
+    "te-moe-ep1-tp2-swiglu-grouped",  # EP = 1: experts in the dense buffer
+    "te-moe-shared-gate-expert-bias-grouped",  # shared experts, gate, expert bias
+)
+FAST = [c for c in CASES if c["name"] in FAST_NAMES]
+assert len(FAST) == len(FAST_NAMES)
+
+
+# One training step on top of megatron's own forward (tests/test_te_train.py). RoPE for the
+# dense case: forward_loss seeds a weight by its name and TP rank, so a TP-replicated 2-D
+# weight (a position-embedding table) would differ between TP ranks, which sequence
+# parallelism (each rank embeds only its slice of the sequence) would expose.
+TOKENS = [[3, 17, 99, 150, 7, 64, 2, 188], [5, 5, 120, 33, 180, 9, 41, 77]]
+LABELS = [[17, 99, 150, 7, 64, 2, 188, 1], [5, 120, 33, 180, 9, 41, 77, 3]]
+TRAIN_PROBES = [{"name": "forward_loss", "vocab_size": 200, "tokens": TOKENS, "labels": LABELS},
+                {"name": "train_step", "tokens": TOKENS, "labels": LABELS}]
+TRAIN = [
+    case("te-train-tp2-sp-gqa-swiglu-bias-rope", 2, tp=2, num_query_groups=2, swiglu=True,
+         add_bias_linear=True, sequence_parallel=True, position_embedding_type="rope"),
+    # top-k = all experts: no discrete routing choice for bf16 rounding to flip between specs
+    case("te-train-moe-ep2-bias-sequential-topk4", 2, ep=2, add_bias_linear=True,
+         **dict(MOE, moe_router_topk=4)),
+    case("te-train-moe-ep2-swiglu-grouped", 2, ep=2, swiglu=True, moe_grouped_gemm=True, **MOE),
+]
+
+
+# The bridge (extract/install) on trained TE jobs (tests/test_te_bridge.py).
+BRIDGE = [
+    case("te-bridge-tp2-dp2-sp-gqa-swiglu", 4, tp=2, num_query_groups=2, swiglu=True,
+         sequence_parallel=True, position_embedding_type="rope", vocab_size=256),
+    case("te-bridge-moe-ep2-grouped-expert-bias", 4, ep=2, swiglu=True, moe_grouped_gemm=True,
+         moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid", **MOE),
+    case("te-bridge-pp2-no-distopt-sequential", 4, pp=2, ep=2, use_distributed_optimizer=False,
+         add_bias_linear=True, **MOE),
+]
+
+
+def default_request() -> list[tuple[dict, int]]:
+    """The default profile's TE builds, run in one child: ``FAST``, ``TRAIN``, ``BRIDGE``."""
+    return ([(to_harness_cfg(c), c["world"]) for c in FAST]
+            + [(dict(to_harness_cfg(c), probes=TRAIN_PROBES), c["world"]) for c in TRAIN]
+            + [(dict(to_harness_cfg(c), probes=[TRAIN_PROBES[1], {
+                "name": "te_bridge", "spec": to_te_spec_dict(c)}]), c["world"])
+               for c in BRIDGE])
+
+
+def to_te_spec(cfg: dict) -> LayoutSpec:
+    """The DynaTrain spec of a TE case."""
+    return spec_from_dict(to_te_spec_dict(cfg))
+
+
+def to_te_spec_dict(cfg: dict) -> dict:
+    """The DynaTrain spec mapping of a TE case."""
+    d = to_spec_dict(cfg)
+    d["model"]["transformer_impl"] = "transformer_engine"
+    if cfg.get("moe_grouped_gemm"):
+        d["model"]["moe_grouped_gemm"] = True
+    if cfg.get("sequence_parallel"):
+        d["parallel"]["sequence_parallel"] = True
+    return d
+
+
+def to_te_harness_cfg(cfg: dict) -> dict:
+    """A TE case as the harness's input (``te.te_facts`` adds transformer_impl)."""
+    return to_harness_cfg(cfg)

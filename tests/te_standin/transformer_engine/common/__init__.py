@@ -1,0 +1,3 @@
+"""``transformer_engine.common``: only the quantization recipes megatron-core names."""
+
+from . import recipe  # noqa: F401

@@ -1,0 +1,6 @@
+"""``transformer_engine.pytorch``: what megatron-core's TE wrappers import and subclass."""
+
+from . import distributed, fp8, ops, tensor  # noqa: F401
+from .attention import DotProductAttention  # noqa: F401
+from .fp8 import fp8_autocast  # noqa: F401
+from .module import GroupedLinear, LayerNorm, LayerNormLinear, Linear, RMSNorm  # noqa: F401

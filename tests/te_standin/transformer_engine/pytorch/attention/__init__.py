@@ -1,0 +1,3 @@
+"""TE ``attention``: only ``DotProductAttention``."""
+
+from .dot_product_attention import DotProductAttention  # noqa: F401

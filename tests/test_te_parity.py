@@ -1,0 +1,133 @@
+"""The IR's Transformer Engine layouts against megatron-core's own TE spec, built over the CPU
+TE stand-in (tests/te_standin) under gloo, compared rank by rank.
+
+Per configuration and rank: everything ``tests/test_megatron_parity.compare_rank`` compares
+(coordinates, groups, ``named_parameters()`` order and shapes, every checkpoint ShardedTensor,
+DDP buffers and buckets, DistributedOptimizer ranges), plus every ``_extra_state``
+ShardedObject (key, global shape and offset, replica id), whose data must be the empty uint8
+tensor fp8-off TE saves, and which a save/load round trip through megatron leaves unchanged
+(so a switch re-initialising it, as ``ir/state.py`` does, equals megatron's reload). ``FAST``
+runs by default; all ``CASES`` (35) behind ``slow``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dynatrain.ir.facts import extra_state_facts
+from dynatrain.ir.layout import Layout
+from te_cases import CASES, FAST, default_request, to_te_harness_cfg, to_te_spec
+
+mcore = pytest.importorskip("megatron.core")
+te = pytest.importorskip("megatron_support.te")
+from test_megatron_parity import compare_rank
+
+MCORE = tuple(int(x) for x in mcore.__version__.split(".")[:2])
+
+
+def _objects(recs: list[dict]) -> dict[tuple, tuple]:
+    return {(r["chunk"], r["key"], tuple(r["global_offset"])):
+            (tuple(r["global_shape"]), tuple(r["replica_id"])) for r in recs}
+
+
+def compare_te_rank(layout: Layout, rank: int, real: dict) -> list[str]:
+    """``compare_rank`` plus the TE modules' ``_extra_state`` objects."""
+    diffs = compare_rank(layout, rank, real)
+    objs = real["probes"][0]["objects"]
+    reload = real["probes"][0]["reload"]
+    if reload["changed"] or not reload["modules"]:
+        diffs.append(f"reloading _extra_state changed TE modules: {reload}")
+    bad = [o["dict_key"] for o in objs if (o["data_dtype"], o["data_numel"]) != ("torch.uint8", 0)]
+    if bad:
+        diffs.append(f"non-empty _extra_state (fp8 is off): {bad[:4]}")
+    ours, theirs = _objects(extra_state_facts(layout, rank)), _objects(objs)
+    if len(theirs) != len(objs):
+        diffs.append("two _extra_state objects share a (chunk, key, offset)")
+    if ours != theirs:
+        a, b = set(ours.items()), set(theirs.items())
+        diffs.append(f"_extra_state: only ours {sorted(a - b)[:3]}, only megatron "
+                     f"{sorted(b - a)[:3]}")
+    return diffs
+
+
+def _check(cases: list[dict], results: list | None = None) -> None:
+    if results is None:
+        results = te.te_facts([(to_te_harness_cfg(c), c["world"]) for c in cases])
+    failures = []
+    for cfg, real in zip(cases, results):
+        if isinstance(real, dict):
+            failures.append(f"{cfg['name']}: megatron rejected it: {real['error']}")
+            continue
+        layout = Layout(to_te_spec(cfg))
+        assert len(real) == layout.world
+        failures += [f"{cfg['name']} rank {r}: {d}" for r in range(layout.world)
+                     for d in compare_te_rank(layout, r, real[r])]
+    names = sorted({f.split(" ")[0] for f in failures})
+    assert not failures, f"{len(names)} configs differ: {names}\n" + "\n".join(
+        f[:600] for f in failures[:12])
+
+
+def test_te_fast_matrix_matches_megatron() -> None:
+    _check(FAST, te.te_facts(default_request())[:len(FAST)])
+
+
+def _te_attrs(cfg: dict, name: str) -> tuple | None:
+    """(tensor_model_parallel, partition_dim, partition_stride) a TE-owned weight or norm
+    param must carry after megatron's wrappers ran; None for params TE does not own."""
+    glu = 2 if cfg.get("swiglu") else 1
+    if re.search(r"(layer_norm_(weight|bias)|layernorm\.(weight|bias))$", name):
+        return (False, -1, 1)  # TE norms set only sequence_parallel (layernorm_linear.py:1653)
+    expert = re.search(r"\.experts\.(local_experts\.\d+\.)?(linear_fc\d)\.weight\d*$", name)
+    if expert and MCORE >= (0, 19):
+        # 0.19 rewrites expert TP attributes: dim 1 for row, else 0, stride 1 even for GLU fc1
+        # (M19 extensions/transformer_engine.py:91-123)
+        return (True, 1 if expert.group(2) == "linear_fc2" else 0, 1)
+    if re.search(r"\.experts\.linear_fc\d\.(weight|bias)\d+$", name):
+        return (False, -1, 1)  # TE 2.20 GroupedLinear: no TP attributes (grouped_linear.py:1978)
+    m = re.search(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$", name)
+    if m is None:
+        return None
+    fc = m.group(1)
+    stride = glu if fc == "linear_fc1" else 1  # megatron sets partition_stride (ext:988, 849)
+    explicit = ".local_experts." in name and (cfg.get("ep", 1) > 1 or
+                                               (cfg.get("etp") or cfg.get("tp", 1)) > 1)
+    # Linear sets dim 1 for row mode, else 0 (linear.py:1857-1862); megatron hands expert
+    # linears to TE with parallel_mode None when it does their communication itself.
+    row = fc in ("linear_proj", "linear_fc2") and not explicit
+    return (True, 1 if row else 0, stride)
+
+
+def test_te_parameters_carry_te_attributes() -> None:
+    """dtype (params_dtype: bf16) and the TP attributes of every TE-owned parameter, as TE's
+    reset_parameters and megatron's wrappers set them."""
+    checked = 0
+    for cfg, real in zip(FAST, te.te_facts(default_request())):
+        for p in real[0]["named_parameters"]:
+            assert p["dtype"] == "torch.bfloat16", (cfg["name"], p["name"])
+            want = _te_attrs(cfg, p["name"])
+            if want is not None:
+                got = (p["tensor_model_parallel"], p["partition_dim"], p["partition_stride"])
+                assert got == want, (cfg["name"], p["name"])
+                checked += 1
+    assert checked > 100
+
+
+def test_comparison_catches_the_local_layout() -> None:
+    """Not vacuous: the local spec's layout of the same model (input norm first, pre-MLP norm
+    on its own, sequential expert names) differs from megatron's TE build on every rank."""
+    for cfg, real in zip(FAST, te.te_facts(default_request())):
+        spec = to_te_spec(cfg)
+        local = Layout(spec.model_copy(update={"model": spec.model.model_copy(update={
+            "transformer_impl": "local", "moe_grouped_gemm": False})}))
+        for r in range(local.world):
+            diffs = compare_te_rank(local, r, real[r])
+            assert any(d.startswith("named_parameters") for d in diffs), (cfg["name"], r)
+            assert any(d.startswith("_extra_state") for d in diffs)
+
+
+@pytest.mark.slow
+def test_te_full_matrix_matches_megatron() -> None:
+    assert len(CASES) >= 30
+    _check(CASES)

@@ -1,6 +1,6 @@
 """Planner benchmark: headline transitions, scaling with ranks, and PyTorch DCP's planner.
 
-Three sections, each printed as a table and written to one JSON file:
+Five sections, each printed as a table and written to one JSON file:
 
 1. headline: shipped spec pairs planned with a 2 GiB staging budget on the H100 topology; plan
    time, verification time and plan quality (bytes and predicted seconds against their lower
@@ -10,9 +10,17 @@ Three sections, each printed as a table and written to one JSON file:
 3. dcp: the same weights-only transition planned by PyTorch DCP's resharding planner
    (``create_default_local_load_plan`` for every destination rank, then the global load plan)
    and by ``plan_transition``, in one process; the ratio is DCP seconds / ours.
+4. slices: for each headline pair and scaling point, one process's own part
+   (``plan_slice(..., spread=the global plan's)``) for the first, middle and last device, cold,
+   next to the global plan's time; the DCP section adds our slowest slice of its case and the
+   ratio DCP slowest rank / our slice.
+5. series_405b: Llama-3.1-405B TP8 PP16 on N -> 3N/4 GPUs; the global plan (with verify) up
+   to ``--global-max`` GPUs, slices at every size, each in a fresh process (time, peak RSS).
 
-Run ``python bench/plan_bench.py [--quick] [--out FILE]``. ``--quick`` skips the 405B pair, stops
-the scaling sweep at 1024 ranks and runs one DCP case, so it finishes in well under a minute.
+Run ``python bench/plan_bench.py [--quick] [--full] [--global-max N] [--out FILE]``.
+``--quick`` skips the 405B pair and series, stops the scaling sweep at 1024 ranks, runs one DCP
+case and slices the middle device only (about a minute on a loaded 2-core machine).
+``--full`` extends the 405B series from 2048 and 4096 to 98304 GPUs.
 Everything is computed locally from the shipped specs; nothing touches the network.
 """
 
@@ -41,6 +49,7 @@ from dynatrain.ir.spec import LayoutSpec
 from dynatrain.ir.state import StateView
 from dynatrain.planner.cost import H100
 from dynatrain.planner.pipeline import plan_transition
+from dynatrain.planner.slices import plan_slice
 from dynatrain.verify.check import verify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,6 +154,42 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
+def sampled_devices(src: LayoutSpec, dst: LayoutSpec) -> list[str]:
+    """First, middle and last device of the switch (source devices, then new ones)."""
+    s, d = Layout(src).devices, Layout(dst).devices
+    seen = set(s)
+    devs = [*s, *(x for x in d if x not in seen)]
+    return list(dict.fromkeys([devs[0], devs[len(devs) // 2], devs[-1]]))
+
+
+def timed_slice(src: LayoutSpec, dst: LayoutSpec, device: str,
+                spread: tuple[int, int]) -> dict[str, Any]:
+    """One process's part: ``device``'s slice from fresh layouts, cold (IR caches emptied).
+
+    ``seconds`` counts compiling the layouts, as a process that plans only its own part
+    would; ``slice_seconds`` is ``plan_slice``'s own figure.
+    """
+    clear_ir_caches()
+    with settled_heap():
+        t = time.perf_counter()
+        part = plan_slice(Layout(src), Layout(dst), BUDGET_BYTES, device, spread=spread)
+        seconds = time.perf_counter() - t
+    return dict(device=device, seconds=seconds, slice_seconds=part.stats["slice_seconds"],
+                transfers=part.stats["transfers"], messages=part.stats["messages"])
+
+
+def slice_times(src: LayoutSpec, dst: LayoutSpec, spread: Any,
+                one: bool = False) -> dict[str, Any]:
+    """Slice seconds of the sampled devices (``one``: the middle device only): max, mean
+    and each."""
+    devs = sampled_devices(src, dst)
+    runs = [timed_slice(src, dst, d, tuple(spread))
+            for d in (devs[len(devs) // 2:][:1] if one else devs)]
+    secs = [r["seconds"] for r in runs]
+    return dict(slice_max_seconds=max(secs), slice_mean_seconds=sum(secs) / len(secs),
+                slices=runs)
+
+
 def log_slope(xs: list[float], ys: list[float]) -> float | None:
     """Least-squares slope of log(y) against log(x): 1.0 means linear growth."""
     if len(xs) < 2:
@@ -190,7 +235,7 @@ def headline_row(label: str, src_name: str, dst_name: str) -> dict[str, Any]:
         predicted_seconds=s["predicted_seconds"], lower_bound_seconds=s["lower_bound_seconds"],
         time_ratio=ratio(s["predicted_seconds"], s["lower_bound_seconds"]),
         peak_staging_bytes=s["peak_staging_bytes"], budget_bytes=s["budget_bytes"],
-        pass_seconds=s["pass_seconds"],
+        pass_seconds=s["pass_seconds"], spread=s["spread"],
     )
 
 
@@ -230,7 +275,7 @@ def run_scaling(quick: bool) -> dict[str, Any]:
                          plan_seconds=s["plan_seconds"],
                          seconds_per_rank=s["plan_seconds"] / w, transfers=s["transfers"],
                          messages=s["messages"], rounds=s["rounds"],
-                         pass_seconds=s["pass_seconds"]))
+                         pass_seconds=s["pass_seconds"], spread=s["spread"]))
     xs, ys = [r["ranks"] for r in rows], [r["plan_seconds"] for r in rows]
     tail = [(x, y) for x, y in zip(xs, ys) if x >= TAIL_FROM]
     out = dict(model=SCALING_MODEL, transition="tp8-pp4-dpD -> tp8-pp8-dpD/2 (full state)",
@@ -398,6 +443,7 @@ def dcp_row(label: str, src: LayoutSpec, dst: LayoutSpec, repeats: int) -> dict[
     inputs = DCPInputs(src, dst)
     dcp = best_of(repeats, lambda: dcp_load_planning(inputs), key=lambda d: d["total_seconds"])
     validate = min(dcp_save_validation(inputs) for _ in range(repeats))
+    slices = slice_times(src, dst, ours["spread"])
     return dict(
         label=label, src_ranks=inputs.src_ranks, dst_ranks=inputs.dst_ranks, repeats=repeats,
         saved_chunks=inputs.saved_chunks,
@@ -412,6 +458,11 @@ def dcp_row(label: str, src: LayoutSpec, dst: LayoutSpec, repeats: int) -> dict[
         ratio=ratio(dcp["total_seconds"], ours["plan_seconds"]),
         ratio_critical_path=ratio(dcp["local_max_seconds"] + dcp["global_seconds"],
                                   ours["plan_seconds"]),
+        # One process's own part on both sides: DCP's slowest rank against our slowest
+        # sampled slice (cold, one run each).
+        **slices,
+        ratio_slowest_rank_over_slice=ratio(dcp["local_max_seconds"],
+                                            slices["slice_max_seconds"]),
     )
 
 
@@ -435,16 +486,153 @@ def print_dcp(rows: list[dict[str, Any]]) -> None:
     print_table(
         "3. PyTorch DCP load planner vs plan_transition, weights only (one process)",
         ["transition", "ranks", "ours s", "warm s", "DCP s", "x", "DCP max/rank s", "x crit",
-         "DCP validate s", "ours transfers", "DCP reads"],
+         "our slice s", "DCP rank/slice", "DCP validate s", "ours transfers", "DCP reads"],
         [[r["label"], f"{r['src_ranks']}->{r['dst_ranks']}", fmt(r["ours_seconds"], ".3f"),
           fmt(r["ours_warm_seconds"], ".3f"), fmt(r["dcp_seconds"], ".3f"), fmt(r["ratio"]),
           fmt(r["dcp_local_max_seconds"], ".4f"), fmt(r["ratio_critical_path"]),
+          fmt(r["slice_max_seconds"], ".4f"), fmt(r["ratio_slowest_rank_over_slice"], ".3f"),
           fmt(r["dcp_save_validation_seconds"], ".4f"), str(r["ours_transfers"]),
           str(r["dcp_read_items"])] for r in rows],
     )
     print("ours s: cold (IR caches emptied), best of the repeats; warm s: caches already hold "
           "the model.\nx = DCP s (every destination rank's local plan + global plan) / ours s; "
-          "x crit uses DCP's slowest single rank instead of the sum.")
+          "x crit uses DCP's slowest single rank instead of the sum.\nour slice s: the slowest of "
+          "our first/middle/last device's slice (cold); DCP rank/slice = DCP max/rank s / our "
+          "slice s (per-process work on both sides).")
+
+
+# ---- 4. per-device slices -----------------------------------------------------------------------
+
+def run_slices(headline: list[dict[str, Any]], scaling: dict[str, Any],
+               quick: bool) -> list[dict[str, Any]]:
+    """Each headline pair and scaling point: one device's slice against the global plan.
+    ``quick``: the middle device only, and only the largest scaling point."""
+    rows = []
+    for h in headline:
+        src, dst = load_spec(spec_path(h["src"])), load_spec(spec_path(h["dst"]))
+        rows.append(dict(label=h["label"], ranks=f"{h['src_ranks']}->{h['dst_ranks']}",
+                         plan_seconds=h["plan_seconds"], spread=h["spread"],
+                         **slice_times(src, dst, h["spread"], one=quick)))
+    for r in scaling["rows"][-1:] if quick else scaling["rows"]:
+        w = r["ranks"]
+        rows.append(dict(label=f"{SCALING_MODEL} scaling W={w}", ranks=f"{w}->{w}",
+                         plan_seconds=r["plan_seconds"], spread=r["spread"],
+                         **slice_times(scaling_spec(w, 4), scaling_spec(w, 8), r["spread"],
+                                       one=quick)))
+    for r in rows:
+        r["plan_over_slice_max"] = ratio(r["plan_seconds"], r["slice_max_seconds"])
+    print_table(
+        "4. Per-device slices: plan_slice(spread=global plan's) for the first, middle and last "
+        "device (--quick: middle only), cold",
+        ["transition", "ranks", "plan s", "slice max s", "slice mean s", "plan/slice",
+         "slice msgs (max)"],
+        [[r["label"], r["ranks"], fmt(r["plan_seconds"]), fmt(r["slice_max_seconds"], ".3f"),
+          fmt(r["slice_mean_seconds"], ".3f"), fmt(r["plan_over_slice_max"], ".1f"),
+          str(max(x["messages"] for x in r["slices"]))] for r in rows],
+    )
+    return rows
+
+
+# ---- 5. Llama-3.1-405B TP8 PP16, N -> 3N/4 GPUs -------------------------------------------------
+
+SERIES_MODEL = "llama3.1-405b"
+SERIES_SIZES = (2048, 4096)
+SERIES_FULL_SIZES = (2048, 4096, 12288, 24576, 49152, 98304)
+SERIES_GLOBAL_MAX = 4096  # the global plan beyond this takes many minutes and GiB here
+
+
+def series_raw(world: int) -> dict[str, Any]:
+    """Llama-3.1-405B TP8 PP16 on ``world`` GPUs, as the shipped 405B specs (8 GPUs/node)."""
+    return dict(model=SERIES_MODEL, name=f"{SERIES_MODEL} tp8-pp16-dp{world // 128}",
+                parallel=dict(tp=8, pp=16, account_for_embedding_in_pipeline_split=True,
+                              account_for_loss_in_pipeline_split=True),
+                world=dict(nodes=world // 8, gpus_per_node=8))
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: ``VmHWM``, which exec resets. (``ru_maxrss`` keeps
+    the high-water mark of the forked parent's copy across exec on Linux, so a child of a
+    large bench process would report the parent's size.)"""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child_slice(job: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process: the specs, then one device's slice; seconds and peak RSS.
+
+    ``spread`` None: ``agree`` is this process alone (its own numbers, no peers)."""
+    before = peak_rss()
+    t = time.perf_counter()
+    src = Layout(spec_from_dict(job["src"], origin="src"))
+    dst = Layout(spec_from_dict(job["dst"], origin="dst"))
+    spread = job["spread"]
+    kw: dict[str, Any] = ({"spread": tuple(spread)} if spread is not None
+                          else {"agree": lambda v: v})
+    part = plan_slice(src, dst, job["budget"], job["device"], **kw)
+    seconds = time.perf_counter() - t
+    return dict(device=job["device"], seconds=seconds,
+                slice_seconds=part.stats["slice_seconds"], spread=part.stats["spread"],
+                transfers=part.stats["transfers"], messages=part.stats["messages"],
+                rss_before_bytes=before,
+                rss_peak_bytes=peak_rss())
+
+
+def slice_in_process(src: dict, dst: dict, device: str, spread: Any) -> dict[str, Any]:
+    job = dict(src=src, dst=dst, device=device, spread=spread, budget=BUDGET_BYTES)
+    out = subprocess.run([sys.executable, __file__, "--slice-child"], input=json.dumps(job),
+                         capture_output=True, text=True, cwd=ROOT, check=False)
+    if out.returncode:
+        raise SystemExit(f"slice of {device} failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
+def run_series(full: bool, global_max: int) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    spread, spread_from = None, None
+    for n in SERIES_FULL_SIZES if full else SERIES_SIZES:
+        m = n * 3 // 4
+        src_raw, dst_raw = series_raw(n), series_raw(m)
+        row: dict[str, Any] = dict(gpus=f"{n}->{m}", src_ranks=n, dst_ranks=m)
+        if n <= global_max:
+            s = timed_plan(spec_from_dict(src_raw, origin=src_raw["name"]),
+                           spec_from_dict(dst_raw, origin=dst_raw["name"]), verified=True)
+            spread, spread_from = s["spread"], n
+            row.update(plan_seconds=s["plan_seconds"], verify_seconds=s["verify_seconds"],
+                       verified=s["verified"], transfers=s["transfers"],
+                       messages=s["messages"], rounds=s["rounds"],
+                       time_ratio=ratio(s["predicted_seconds"], s["lower_bound_seconds"]))
+        devs = sampled_devices(spec_from_dict(src_raw, origin="src"),
+                               spec_from_dict(dst_raw, origin="dst"))
+        runs = [slice_in_process(src_raw, dst_raw, d, spread) for d in devs]
+        secs = [r["seconds"] for r in runs]
+        row.update(spread=runs[0]["spread"], spread_from=spread_from if spread else "agree alone",
+                   slice_max_seconds=max(secs), slice_mean_seconds=sum(secs) / len(secs),
+                   slice_rss_max_bytes=max(r["rss_peak_bytes"] for r in runs), slices=runs)
+        rows.append(row)
+        print(f"  405B {row['gpus']}: plan {fmt(row.get('plan_seconds'))} s, slice max "
+              f"{row['slice_max_seconds']:.2f} s", flush=True)
+    print_table(
+        f"5. {SERIES_MODEL} TP8 PP16, N -> 3N/4 GPUs (global plan up to {global_max} GPUs; "
+        "slices in fresh processes)",
+        ["GPUs", "transfers", "msgs", "rounds", "plan s", "verify s", "pred/LB",
+         "slice max s", "slice mean s", "slice RSS GiB"],
+        [[r["gpus"], str(r.get("transfers", "-")), str(r.get("messages", "-")),
+          str(r["rounds"]) if "rounds" in r else f"{r['spread'][1]}*", fmt(r.get("plan_seconds")),
+          fmt(r.get("verify_seconds")), fmt(r.get("time_ratio")),
+          fmt(r["slice_max_seconds"]), fmt(r["slice_mean_seconds"]),
+          fmt(r["slice_rss_max_bytes"] / GIB)] for r in rows],
+    )
+    print("slice s: a fresh process compiling both layouts and computing its own part; RSS: "
+          "its peak (interpreter and imports included). Without a global plan, slices use "
+          "the (unit, rounds) of the largest size planned (rounds marked *; spread_from in the "
+          "JSON).")
+    return dict(model=SERIES_MODEL, global_max=global_max, rows=rows)
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -470,9 +658,19 @@ def environment(quick: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="skip 405B, scale to 1024 ranks only, one DCP case")
+                    help="skip 405B, scale to 1024 ranks only, one DCP case, slice the middle device only")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file ({DEFAULT_OUT})")
+    ap.add_argument("--full", action="store_true",
+                    help="the 405B N -> 3N/4 series up to 98304 GPUs (slices always; the "
+                         "global plan only up to --global-max)")
+    ap.add_argument("--global-max", type=int, default=SERIES_GLOBAL_MAX,
+                    help=f"405B series: plan globally only up to this many GPUs "
+                         f"(default {SERIES_GLOBAL_MAX})")
+    ap.add_argument("--slice-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.slice_child:  # one slice in this fresh process (run_series), JSON in and out
+        print(json.dumps(child_slice(json.loads(sys.stdin.read()))))
+        return 0
 
     t0 = time.perf_counter()
     result: dict[str, Any] = dict(environment=environment(args.quick))
@@ -481,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     dcp = run_dcp(args.quick)
     result["dcp"] = dcp["rows"]
     result["dcp_planner_ratio"] = dcp["dcp_planner_ratio"]
+    result["slices"] = run_slices(result["headline"], result["scaling"], args.quick)
+    if not args.quick:
+        result["series_405b"] = run_series(args.full, args.global_max)
     result["wall_seconds"] = time.perf_counter() - t0
     result["environment"]["loadavg_at_end"] = os.getloadavg()  # other load skews timings
     # ru_maxrss is KiB on Linux; peak over the whole run.

@@ -191,6 +191,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .api import plan
     from .report.summary import summary_lines
 
+    if args.device is not None:
+        return _plan_device(args)
     if os.path.isdir(args.src):  # a megatron dist checkpoint as the source
         return _plan_checkpoint_load(args)
 
@@ -240,6 +242,114 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lines.extend(_per_device_table(switch.plan))
     print("\n".join(lines))
     return 0
+
+
+def _slice_options(args: argparse.Namespace) -> None:
+    """Refuse, in one line each, the ``plan`` options a slice (``--device``) cannot honour."""
+    why = {
+        "--place auto": ("slices take the destination as placed (choosing a placement needs "
+                         "every device's traffic)", args.place == "auto"),
+        "--failed": ("slices plan from every source holder; plan the whole switch to route "
+                     "around failed devices", args.failed is not None),
+        "--allow-lost": ("goes with --failed, which slices do not support", args.allow_lost),
+        "--reserve": ("a slice's check leaves out the live-memory rule, which needs every "
+                      "device's state", args.reserve.strip() != "0"),
+        "--heatmap": ("draws every device's traffic, not one device's", bool(args.heatmap)),
+        "--dot": ("draws the whole plan, not one device's part", bool(args.dot)),
+        "--per-device": ("lists every device; --device prints one", args.per_device),
+    }
+    for option, (rule, given) in why.items():
+        if given:
+            raise DynatrainError(f"{option}: not with --device: {rule}")
+    if os.path.isdir(args.src):
+        raise DynatrainError("--device: needs two layout specs, not a checkpoint directory")
+
+
+def _plan_device(args: argparse.Namespace) -> int:
+    """``dynatrain plan A B --device D``: D's slice of the plan, computed and checked alone.
+
+    The slice needs the plan's two global numbers (cut unit, rounds). A live job agrees on
+    them with all-reduces (``plan_slice(agree=...)``); the CLI has no peers, so it takes them
+    from the global plan, which it plans first.
+    """
+    from .planner.cost import load_topology
+    from .planner.pipeline import plan_transition
+    from .planner.schedule import peak_staging
+    from .planner.slices import plan_slice
+    from .verify.slice import verify_slice
+
+    _slice_options(args)
+    budget = parse_bytes(args.budget, "--budget")
+    topology = load_topology(args.topology)
+    src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
+    dev = args.device
+    if dev not in src.devices and dev not in dst.devices:
+        raise DynatrainError(
+            f"--device: {dev!r} is in neither layout (source {src.devices[0]} .. "
+            f"{src.devices[-1]}, destination {dst.devices[0]} .. {dst.devices[-1]})")
+    glob = plan_transition(src, dst, budget, topology)
+    unit, rounds = glob.stats["spread"]
+    part = plan_slice(src, dst, budget, dev, spread=(unit, rounds))
+    report = verify_slice(part, src, dst, dev)
+    msgs = list(part.messages())
+    sent = [m for m in msgs if not m.local and m.src_device == dev]
+    recv = [m for m in msgs if not m.local and m.dst_device == dev]
+    local = [m for m in msgs if m.local]
+    st = part.stats
+    summary = dict(
+        device=dev,
+        src_rank=src.devices.index(dev) if dev in src.devices else None,
+        dst_rank=dst.devices.index(dev) if dev in dst.devices else None,
+        rounds=len(part.rounds), unit_bytes=unit,
+        messages_sent=len(sent), messages_received=len(recv), local_copies=len(local),
+        transfers=st["transfers"],
+        bytes_sent=sum(m.nbytes for m in sent), bytes_received=sum(m.nbytes for m in recv),
+        bytes_local=sum(m.nbytes for m in local),
+        peak_staging_bytes=max((peak_staging(r).get(dev, 0) for r in part.rounds), default=0),
+        budget_bytes=budget, slice_seconds=st["slice_seconds"],
+        global_plan_seconds=glob.stats["plan_seconds"],
+        verified=report.ok, verify_seconds=report.seconds)
+    if args.json:
+        from .ir.loader import spec_to_dict
+        from .planner.serialize import plan_to_json
+
+        doc = {"format": "dynatrain.slice/1", "summary": summary,
+               "violations": [str(v) for v in report.violations],
+               "plan": plan_to_json(part, spec_to_dict(src.spec),
+                                    spec_to_dict(dst.spec, dst.devices))}
+        _write(args.json, json.dumps(doc, separators=(",", ":")) + "\n", "--json")
+    if args.text:
+        from .planner.text import plan_to_text
+
+        text = plan_to_text(part)
+        if args.text == "-":
+            sys.stdout.write(text)
+            return 0 if report.ok else VerificationError.exit_code
+        _write(args.text, text, "--text")
+
+    def rank(r: int | None) -> str:
+        return "-" if r is None else str(r)
+
+    s = summary
+    lines = [
+        f"{part.src_name}  ->  {part.dst_name}",
+        f"  device    {dev} (source rank {rank(s['src_rank'])}, destination rank "
+        f"{rank(s['dst_rank'])})",
+        f"  rounds    {rounds} (cut unit {unit} B; unit and rounds from the global plan, "
+        f"planned in {s['global_plan_seconds']:.3f} s)",
+        f"  messages  {s['messages_sent']} sent, {s['messages_received']} received, "
+        f"{s['local_copies']} local copies; {s['transfers']} transfers",
+        f"  bytes     sent {s['bytes_sent']} ({format_bytes(s['bytes_sent'])}), received "
+        f"{s['bytes_received']} ({format_bytes(s['bytes_received'])}), local "
+        f"{s['bytes_local']} ({format_bytes(s['bytes_local'])})",
+        f"  staging   peak {s['peak_staging_bytes']} ({format_bytes(s['peak_staging_bytes'])}) "
+        f"on this device, budget {format_bytes(budget)}",
+        f"  slice     computed in {s['slice_seconds']:.3f} s",
+        f"  verify_slice: {'ok' if report.ok else 'FAILED'} ({report.seconds:.3f} s)",
+    ]
+    lines += [f"    {v}" for v in report.violations[:10]]
+    print("\n".join(lines))
+    return 0 if report.ok else VerificationError.exit_code
 
 
 def _per_device_table(plan) -> list[str]:
@@ -437,6 +547,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--allow-lost", action="store_true",
                     help="with --failed: plan what survives and record what is lost in the "
                          "plan, instead of exiting 3")
+    pl.add_argument("--device", metavar="NODE:GPU",
+                    help="print only this device's slice of the plan (its sends, receives and "
+                         "local copies per round), checked alone by verify_slice; --json and "
+                         "--text then hold the slice. A slice needs the plan's cut unit and "
+                         "round count: here they come from the global plan, planned first (a "
+                         "live job agrees on them with all-reduces instead). Not with --place "
+                         "auto, --failed, --reserve, --heatmap, --dot or --per-device")
     pl.set_defaults(func=cmd_plan)
     ve = sub.add_parser("verify", help="re-verify a saved plan (exit 1 if it breaks a rule)")
     ve.add_argument("plan", metavar="PLAN.json")

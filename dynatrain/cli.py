@@ -338,7 +338,8 @@ def _plan_device(args: argparse.Namespace) -> int:
         f"  rounds    {rounds} (cut unit {unit} B; unit and rounds from the global plan, "
         f"planned in {s['global_plan_seconds']:.3f} s)",
         f"  messages  {s['messages_sent']} sent, {s['messages_received']} received, "
-        f"{s['local_copies']} local copies; {s['transfers']} transfers",
+        f"{plural(s['local_copies'], 'local copy', 'local copies')}; "
+        f"{plural(s['transfers'], 'transfer')}",
         f"  bytes     sent {s['bytes_sent']} ({format_bytes(s['bytes_sent'])}), received "
         f"{s['bytes_received']} ({format_bytes(s['bytes_received'])}), local "
         f"{s['bytes_local']} ({format_bytes(s['bytes_local'])})",

@@ -79,8 +79,14 @@ def models(draw: st.DrawFn, moe: bool | None = None) -> dict:
     for flag in ("swiglu", "untie_embeddings_and_output_weights", "qk_layernorm",
                  "add_bias_linear"):
         m[flag] = draw(st.booleans())
+    # Transformer Engine layers: fused norms reorder the params, buffers and optimizer ranges.
+    te = draw(st.integers(0, 2)) == 0
+    if te:
+        m["transformer_impl"] = "transformer_engine"
     if is_moe:
         _moe_fields(draw, m)
+        if te and draw(st.booleans()):
+            m["moe_grouped_gemm"] = True
     return m
 
 

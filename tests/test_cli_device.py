@@ -67,7 +67,7 @@ def printed_numbers(out: str) -> dict[str, int]:
 
     rounds, = grab(r"rounds +(\d+) ")
     sent, received, local, transfers = grab(
-        r"messages +(\d+) sent, (\d+) received, (\d+) local copies; (\d+) transfers")
+        r"messages +(\d+) sent, (\d+) received, (\d+) local cop(?:y|ies); (\d+) transfers?")
     bs, br, bl = grab(r"bytes +sent (\d+) .*received (\d+) .*local (\d+) ")
     peak, = grab(r"staging +peak (\d+) ")
     return dict(rounds=rounds, sent=sent, received=received, local=local, bytes_sent=bs,

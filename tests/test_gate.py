@@ -34,6 +34,8 @@ def _events(t: Transition) -> None:
             event(f"{side} ep={p.ep} etp={p.expert_tp}")
         event(f"{side} " + ("devices list" if w.devices is not None else "nodes x gpus"))
     event("moe" if t.src.model.num_moe_experts else "dense")
+    event(f"transformer_impl={t.src.model.transformer_impl}"
+          + (" grouped gemm" if t.src.model.moe_grouped_gemm else ""))
     event("derive_param" if t.derive else "params sent")
     event(f"place={t.place}")
     event("budget 1GiB" if t.budget == 1 << 30 else
@@ -111,6 +113,8 @@ COVERAGE = {
                            and (s.parallel.bucket_size or 1 << 30) < 1000),
     "order": _both(lambda s: s.parallel.order != "tp-cp-ep-dp-pp"),
     "pp layout string": _both(lambda s: s.parallel.pipeline_model_parallel_layout is not None),
+    "transformer engine": _both(lambda s: s.model.transformer_impl == "transformer_engine"),
+    "te grouped gemm": _both(lambda s: s.model.moe_grouped_gemm),
     "pad busbw": _both(lambda s: s.parallel.pad_buckets_for_high_nccl_busbw
                        and s.parallel.use_distributed_optimizer),
     "device list": _both(lambda s: s.world.devices is not None),

@@ -84,10 +84,13 @@ def test_cuda_free_counts_whole_free_segments_of_the_cache_not_fragments(monkeyp
 
 
 def _prepare(monkeypatch, free: int):
-    """A LiveSwitcher on a device with ``free`` bytes free plans and verifies SRC -> DST."""
+    """A LiveSwitcher on a device with ``free`` bytes free plans and verifies SRC -> DST.
+
+    The whole plan (``slices=False``): a sliced switch cuts its rounds, and so checks its
+    headroom, at switch time (``LiveSwitcher._cut_slice``), with the same check."""
     monkeypatch.setattr(headroom, "free_bytes", lambda cuda_device: free)
     sw = LiveSwitcher(SRC, Layout(SRC).devices[0], build=lambda spec: None, verify=check,
-                      budget_bytes=1 << 20)
+                      budget_bytes=1 << 20, slices=False)
     try:
         return sw.prepare(DST).result(timeout=120)
     finally:

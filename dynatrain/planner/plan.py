@@ -1,9 +1,9 @@
 """Plans as data: frozen transfer records grouped into messages and rounds.
 
 A ``Transfer`` moves one box of one logical tensor (for one or more state kinds that share the
-box) from a slot on a source rank to a slot on a destination rank. Transfers between the same
-pair of devices are coalesced into a ``Message``; messages are grouped into ``Round``s that run
-one after another, each within the per-device staging budget. Everything is hashable and
+box) from a slot on a source rank to a slot on a destination rank. The transfers from one
+device to another in one round form a ``Message`` (``spread`` cuts each pair's traffic into
+round chunks); ``Round``s run one after another, each within the per-device staging budget. Everything is hashable and
 serializable (``dynatrain.planner.serialize``).
 """
 

@@ -39,7 +39,7 @@ def peak_staging(rnd: Round) -> dict[str, int]:
     return dict(used)
 
 
-# ---- budget limits: checked from the transfers, before coalesce cuts them ----------------------
+# ---- budget limits: checked from the transfers, before spread cuts them ------------------------
 
 # The most rounds a plan may need. Every round ends in a barrier of all devices at run time;
 # the shipped switches need at most 27 at the default 2 GiB (Qwen3-235B TP4 PP8 EP16 -> TP8 PP4
@@ -189,8 +189,8 @@ class Demand:
 def check_budget(transfers: list[Transfer], src_devices: tuple[str, ...],
                  dst_devices: tuple[str, ...], budget: int) -> Demand:
     """Refuse ``budget`` if it cannot stage one element, or if the plan would need more than
-    ``MAX_ROUNDS`` rounds or ``MAX_SCHEDULE_STEPS`` messages x rounds, before ``coalesce``
-    cuts anything (a tiny budget explodes the pieces, and the packer's time with them).
+    ``MAX_ROUNDS`` rounds or ``MAX_SCHEDULE_STEPS`` pairs x rounds, before ``spread`` cuts
+    anything (a tiny budget explodes the chunks, and the planner's time with them).
 
     Raises:
         BudgetTooSmall: one line with the budget, the rounds and messages it needs at least,

@@ -90,7 +90,7 @@ def _transfers(st: dict) -> str:
     # what the planner picked a sender for, before big parts were cut to message size.
     text = plural(st["transfers"], "transfer")
     if "parts" in st and st["parts"] != st["transfers"]:
-        text += f"; {plural(st['parts'], 'part')} before cutting to message size"
+        text += f"; {plural(st['parts'], 'part')} before cutting into round chunks"
     return text
 
 

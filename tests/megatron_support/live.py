@@ -58,7 +58,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
-from .harness import _resolve_cfg, _transformer_config
+from .harness import _resolve_cfg, _te_spec, _transformer_config
 from .probes import _may_have_children
 from .shim import cpu_shim
 
@@ -186,7 +186,10 @@ def build(c: dict, seed: int | None = None) -> Job:
     gpts = []
     for i in range(c["vpp"] or 1):
         vp = i if c["vpp"] is not None else None
-        if c["num_moe_experts"] is not None:
+        if c["transformer_impl"] == "transformer_engine":
+            # Only in a process that has TE (or its stand-in, megatron_support.te_live).
+            spec = _te_spec(c, config, vp)
+        elif c["num_moe_experts"] is not None:
             spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                               normalization=c["normalization"], vp_stage=vp)
         else:
@@ -413,8 +416,14 @@ def save_dist_checkpoint(job: Job, path: str) -> None:
         dist_checkpointing.save(sd, path)
 
 
-def load_dist_checkpoint(job: Job, path: str) -> None:
+def load_dist_checkpoint(job: Job, path: str, missing_extra_state: bool = False) -> list[str]:
     """Load ``save_dist_checkpoint``'s files into a freshly built job, as Megatron-LM does.
+
+    ``missing_extra_state`` (TE jobs): megatron's TE core attention has an ``_extra_state`` in
+    its ``state_dict`` but none in its ``sharded_state_dict``, so a strict load fails and
+    Megatron-LM falls back to ``strict=False`` (``load_model_state_dict`` in its
+    training/checkpointing.py): such keys keep the fresh build's value. Here only
+    ``_extra_state`` keys may be missing, and none unexpected. Returns the missing keys.
 
     Two fixes that megatron-core 0.16.1 needs with torch's own Adam (no Apex / TE), applied
     here only: (1) ``load_parameter_state_from_fully_reshardable`` passes no 'step' tensor, yet
@@ -434,8 +443,17 @@ def load_dist_checkpoint(job: Job, path: str) -> None:
     sd = {"model": model_sd, "optimizer": job.optimizer.sharded_state_dict(
         model_sd, is_loading=True, metadata=_SD_META)}
     loaded = dist_checkpointing.load(sd, path)
+    missing: list[str] = []
     for i, g in enumerate(job.gpts):
-        g.load_state_dict(loaded["model"][f"model{i}"], strict=True)
+        if not missing_extra_state:
+            g.load_state_dict(loaded["model"][f"model{i}"], strict=True)
+            continue
+        res = g.load_state_dict(loaded["model"][f"model{i}"], strict=False)
+        bad = [k for k in res.missing_keys if not k.endswith("._extra_state")]
+        if bad or res.unexpected_keys:
+            raise RuntimeError(f"model{i}: missing {bad[:4]}, unexpected "
+                               f"{res.unexpected_keys[:4]}")
+        missing += [f"model{i}.{k}" for k in res.missing_keys]
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
     def keep_step(self, model_param, tensors):
@@ -459,3 +477,4 @@ def load_dist_checkpoint(job: Job, path: str) -> None:
         for st in opt.optimizer.state.values():
             if isinstance(st.get("step"), torch.Tensor):
                 st["step"] = st["step"].clone()
+    return missing

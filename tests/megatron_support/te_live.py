@@ -1,0 +1,177 @@
+"""A live switch (``LiveSwitcher``) of a Transformer Engine job, checked against megatron's reload.
+
+``te_live_switch(cfg_a, cfg_b)`` takes two ``te_cases`` entries (same model, same devices) and
+runs, in one child interpreter that puts the TE stand-in (``tests/te_standin``) on ``sys.path``
+before megatron is imported (as ``megatron_support.te`` does, so the test process keeps seeing
+"TE not installed"), ``world`` forked gloo workers (``megatron_support.live``) that each:
+
+* build the TE job in layout A (megatron-core's TE spec; GPU-style initialisation, see
+  ``te._main``) with megatron's LR scheduler and train two real iterations;
+* ``prepare`` A -> B with a ``LiveSwitcher`` (plan + verify in the background) while iteration
+  2 trains, save megatron's dist-checkpoint of A (model incl. TE's ``_extra_state`` objects,
+  ``fully_reshardable`` optimizer state) and ``switch``;
+* build a fresh B job and load that checkpoint into it the way Megatron-LM does
+  (``live.load_dist_checkpoint``; ``_extra_state`` goes through megatron's own load and
+  ``load_state_dict``, as in a real reload), with A's scheduler state;
+* compare both B jobs through megatron's own accessors (``live.native_state``: module state
+  dicts, ``_extra_state`` included, DDP param buffers, DistributedOptimizer state, step; plus
+  every param group's lr / weight decay), then train one more iteration on each and compare
+  losses and state again.
+
+Each rank's result is a JSON-able dict (see ``_work``); the child writes the list as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from .te import STANDIN, TESTS
+
+__all__ = ["te_live_switch"]
+
+
+def te_live_switch(cfg_a: dict, cfg_b: dict, timeout: float = 300.0) -> list[dict]:
+    """Per rank, what the live switch of ``cfg_a`` -> ``cfg_b`` gave (see module doc)."""
+    with tempfile.TemporaryDirectory(prefix="te_live_") as tmp:
+        src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
+        with open(src, "w") as f:
+            json.dump({"a": cfg_a, "b": cfg_b}, f)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [STANDIN, TESTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                if p]))
+        proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_support.te_live",
+                               src, dst], env=env, capture_output=True, text=True,
+                              timeout=timeout, cwd=TESTS, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"TE live-switch child failed ({proc.returncode}):\n"
+                               f"{proc.stderr[-4000:]}")
+        with open(dst) as f:
+            return json.load(f)
+
+
+def _harness_cfg(cfg: dict) -> dict:
+    from matrix import to_harness_cfg
+
+    c = to_harness_cfg(cfg)
+    # GPU-style initialisation, as te._main builds TE jobs (the shim maps cuda to cpu).
+    c["transformer_config_overrides"] = {"use_cpu_initialization": False,
+                                         **(c.get("transformer_config_overrides") or {})}
+    return dict(c, transformer_impl="transformer_engine")
+
+
+def _run(cfg_a: dict, cfg_b: dict) -> list[dict]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from te_cases import to_te_spec
+
+    from dynatrain.ir.layout import Layout
+    from dynatrain.runtime.megatron import LiveSwitcher, MegatronJob
+    from dynatrain.verify.check import check
+    from megatron_support import live
+
+    spec_a, spec_b = to_te_spec(cfg_a), to_te_spec(cfg_b)
+    configs = {id(spec_a): live.resolve(_harness_cfg(cfg_a)),
+               id(spec_b): live.resolve(_harness_cfg(cfg_b))}
+    devices = Layout(spec_a).devices
+
+    def scheduler(optimizer) -> OptimizerParamScheduler:
+        return OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=live.LR, min_lr=live.LR / 10, lr_warmup_steps=2,
+            lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.01, end_wd=0.05,
+            wd_incr_steps=10, wd_incr_style="linear")
+
+    with tempfile.TemporaryDirectory(prefix="te_live_ckpt_") as ckpt:
+
+        def work(rank: int) -> dict:
+            cfg_of: dict[int, dict] = {}
+            builds = {"n": 0}
+
+            def build(spec) -> MegatronJob:
+                builds["n"] += 1  # every build starts from other weights than the last
+                c = configs[id(spec)]
+                j = live.build(c, seed=c["seed"] + 7 * builds["n"])
+                cfg_of[id(j.optimizer)] = c
+                return MegatronJob(j.ddps, j.optimizer, scheduler(j.optimizer))
+
+            def as_live(job: MegatronJob) -> live.Job:
+                return live.Job(cfg_of[id(job.optimizer)],
+                                [d.module.module for d in job.model_chunks],
+                                job.model_chunks, job.optimizer)
+
+            def train(job: MegatronJob) -> list[float]:
+                losses = live.train_step(as_live(job), job.iteration)
+                job.scheduler.step(increment=1)
+                job.iteration += 1
+                return losses
+
+            def state(job: MegatronJob) -> dict:
+                out = live.native_state(as_live(job))
+                for i, opt in enumerate(getattr(job.optimizer, "chained_optimizers", None)
+                                        or [job.optimizer]):
+                    for g, group in enumerate(opt.param_groups):
+                        out[f"opt{i}.group{g}.lr_wd"] = (group["lr"], group["weight_decay"])
+                return out
+
+            out: dict = {}
+            live.init_parallel(configs[id(spec_a)])
+            job = build(spec_a)
+            out["te_modules_a"] = _te_module_count(as_live(job))
+            for _ in range(2):
+                train(job)
+            sw = LiveSwitcher(spec_a, devices[rank], build, check, timeout=60)
+            future = sw.prepare(spec_b)
+            out["losses_during_prepare"] = train(job)  # iteration 2 trains while planning
+            future.result()
+
+            live.save_dist_checkpoint(as_live(job), ckpt)
+            sched = job.scheduler.state_dict()
+            result = sw.switch(job)
+            new = result.job
+            out["iteration"] = [job.iteration, new.iteration]
+            out["pp_after"] = ps.get_pipeline_model_parallel_world_size()
+            out["tp_after"] = ps.get_tensor_model_parallel_world_size()
+            out["ep_after"] = ps.get_expert_model_parallel_world_size()
+            out["te_modules_b"] = _te_module_count(as_live(new))
+            out["seconds"] = {k: float(v) for k, v in result.seconds.items()}
+
+            ref = build(spec_b)
+            out["reload_missing"] = live.load_dist_checkpoint(as_live(ref), ckpt,
+                                                              missing_extra_state=True)
+            ref.scheduler.load_state_dict(sched)
+            ref.iteration = job.iteration
+            s_ref, s_new = state(ref), state(new)
+            out["n_state"] = len(s_ref)
+            out["n_extra_state"] = sum(k.endswith("_extra_state") for k in s_ref)
+            out["pre"] = live.native_diffs(s_ref, s_new)
+            out["losses"] = [train(new), train(ref)]
+            out["post"] = live.native_diffs(state(ref), state(new))
+            return out
+
+        return live.run_workers(work, len(devices), timeout=240)
+
+
+def _te_module_count(job) -> int:
+    """TE modules (the stand-in's) in this rank's chunks: the job is really a TE build."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    return sum(isinstance(m, TransformerEngineBaseModule) for g in job.gpts for m in g.modules())
+
+
+def _main(src: str, dst: str) -> None:
+    if sys.path[0] != STANDIN:
+        sys.path.insert(0, STANDIN)
+    import transformer_engine  # noqa: F401  (the stand-in, before megatron)
+
+    with open(src) as f:
+        req = json.load(f)
+    results = _run(req["a"], req["b"])
+    with open(dst, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])

@@ -243,7 +243,7 @@ def _harness_cfg(doc: dict) -> tuple[dict, int]:
 @st.composite
 def _option_layouts(draw: st.DrawFn) -> dict:
     """Small random layouts that use a layout string or bus-bandwidth padding."""
-    model = draw(models())
+    model = draw(models(te=False))  # built by megatron here, where TE cannot be imported
     doc = draw(layouts(model, max_world=8))
     p = doc["parallel"]
     assume(p.get("pipeline_model_parallel_layout") or p.get("pad_buckets_for_high_nccl_busbw"))

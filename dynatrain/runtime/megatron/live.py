@@ -11,7 +11,10 @@ checks its own slice (``verify`` checks a slice as one; the union of those check
 global verification) before anything moves. A switch to other devices plans the whole plan on
 every process (spares and joiners plan it too) and agrees on the plan's digest. ``switch(job)``
 then, at an iteration
-boundary, binds the job's state as IR storage (``extract_state``: views, no copies), sets up
+boundary, checks the job's own metadata against the IR's source layout (``check_job``:
+checkpoint ShardedTensors, DDP buffers, optimizer ranges, the megatron-core series; a
+difference refuses the switch on every process, naming the first differing parameter), binds
+the job's state as IR storage (``extract_state``: views, no copies), sets up
 megatron's parallel state for the destination, builds the destination job with the caller's
 ``build`` (the code that built the job in the first place; it also seeds megatron's RNG streams
 for the new coordinates, as at startup: megatron itself does not carry them across a TP or PP
@@ -94,6 +97,7 @@ from ...planner.serialize import plan_to_json
 from ..executor import SwitchAborted, switch
 from ..headroom import check_switch_headroom, job_cuda_device
 from .bridge import bind_state, extract_state, install_step
+from .check_job import check_job
 from .job import (Builder, MegatronJob, Prepared, Refill, SwitchFailed, SwitchResult, Verifier,
                   carried, carry_into, parallel_kwargs)
 from .recovery import Heartbeat, Liveness, Recovery
@@ -165,6 +169,7 @@ class LiveSwitcher:
         self._open: int | None = None  # announced, neither gone nor cancelled yet
         self._watch: int | None = None  # a spare's next announcement to look at
         self.refill = refill
+        self.check_seconds: float | None = None  # the last switch's check_job, for reports
         self._heartbeat = self.liveness = None
         if heartbeat is not None:
             if rendezvous is None or not heartbeat > 0:
@@ -329,6 +334,11 @@ class LiveSwitcher:
                 raise LayoutError(f"{self.device} is rank {dist.get_rank(self.group)} of "
                                   f"{dist.get_world_size(self.group)} processes; the layout "
                                   f"wants rank {self.rank} of {self.layout.world}")
+            # The job's own metadata against the IR's source layout: a job the spec does not
+            # describe is refused here, on every process (agreed below), before bytes move.
+            t0 = time.perf_counter()
+            check_job(self.layout, self.rank, job.model_chunks, job.optimizer)
+            self.check_seconds = time.perf_counter() - t0
             src_view, _ = transition_views(self.layout, prep.dst)
             src = extract_state(src_view, self.rank, job.model_chunks, job.optimizer)
         except Exception as err:  # noqa: BLE001 — raised below, once every process knows
@@ -419,7 +429,7 @@ class LiveSwitcher:
         names = ("agree", "extract", "parallel_state", "build", "exchange", "install")
         seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
         seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
-                       downtime=t[-1] - t[0])
+                       check=self.check_seconds or 0.0, downtime=t[-1] - t[0])
         return SwitchResult(new, report, seconds, "stayed", prep.generation)
 
     def _all_built(self, ok: bool) -> bool:

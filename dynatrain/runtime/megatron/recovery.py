@@ -63,6 +63,7 @@ from ...planner.serialize import plan_to_json
 from ...planner.suggest import suggest
 from ..executor import process_devices, switch
 from .bridge import extract_state, install_state, read_step
+from .check_job import check_job
 from .job import MegatronJob, RecoveryFailed, SwitchResult, carried, carry_into, parallel_kwargs
 from .rendezvous import Rendezvous
 
@@ -249,6 +250,8 @@ class Recovery:
                                      f"job is at step {job_step}; refilling from it would mix "
                                      "two iterations (give the checkpoint of this step)")
         src_view, dst_view = transition_views(src, dst)
+        # The job must run what its spec says (no collective: safe with broken groups).
+        check_job(src, src.devices.index(self.me), self.job.model_chunks, self.job.optimizer)
         src_store = extract_state(src_view, src.devices.index(self.me), self.job.model_chunks,
                                   self.job.optimizer)
         doc = plan_to_json(plan)

@@ -117,7 +117,10 @@ def test_cli_refuses_in_one_line_exit_2(size, capsys, no_coalesce) -> None:
 
 # ---- the suggested budget is tight and really plans -------------------------------------------
 
-@pytest.mark.parametrize("pair", [TINY, QWEN_235B], ids=["tiny-gpt", "qwen3-235b-ep16-ep8"])
+# The 235B plan at its smallest budget (hundreds of rounds, ~2 min here) runs in the deep
+# profile only; tiny-gpt checks the same property in the default run.
+@pytest.mark.parametrize("pair", [TINY, pytest.param(QWEN_235B, marks=pytest.mark.slow)],
+                         ids=["tiny-gpt", "qwen3-235b-ep16-ep8"])
 def test_the_suggested_budget_plans_within_the_limits(pair) -> None:
     err = refusal(pair, 1 << 20 if pair == QWEN_235B else 256)
     src, dst = layouts(pair)

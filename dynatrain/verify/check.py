@@ -17,7 +17,6 @@ The checks are exact integer work (``tiling``: signed corner counts, linear in t
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 from ..ir.layout import Layout
 from ..ir.state import transition_views
@@ -28,7 +27,7 @@ from .data import Declared, check_data
 from .memory import check_memory, checked_reserve
 from .order import check_deadlock
 from .ownership import check_expert_ownership
-from .report import VerificationError, Violation, VerifyReport
+from .report import Collector, VerificationError, Violation, VerifyReport
 
 
 def verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None,
@@ -65,13 +64,8 @@ def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
             budget_bytes: int | None, limit: int, reserve_bytes: int,
             declared: Declared) -> VerifyReport:
     t0 = time.perf_counter()
-    kept: list[Violation] = []
-    per_rule: Counter[str] = Counter()
-
-    def emit(v: Violation) -> None:
-        per_rule[v.rule] += 1
-        if per_rule[v.rule] <= limit:
-            kept.append(v)
+    found = Collector(limit)
+    emit = found.emit
 
     sv, dv = transition_views(src, dst)
     checked: dict = {"rounds": len(plan.rounds)}
@@ -85,8 +79,7 @@ def _verify(plan: Plan, src: Layout, dst: Layout, topology: Topology | None,
         checked.update(check_memory(plan, sv, dv, staging, budget, capacity, emit,
                                     reserve_bytes))
     check_deadlock(plan, emit)
-    dropped = sum(max(0, n - limit) for n in per_rule.values())
-    return VerifyReport(tuple(kept), checked, time.perf_counter() - t0, dropped)
+    return found.report(checked, time.perf_counter() - t0)
 
 
 def check(plan: Plan, src: Layout, dst: Layout, topology: Topology | None = None,

@@ -87,3 +87,22 @@ class VerificationError(DynatrainError):
         more = len(report.violations) + report.dropped - 1
         super().__init__(f"plan fails verification: {first}"
                          + (f" (and {more} more)" if more > 0 else ""))
+
+
+class Collector:
+    """Receives violations (``emit``), keeping at most ``limit`` per rule and counting the
+    rest, and turns them into a ``VerifyReport`` (``report``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept: list[Violation] = []
+        self.per_rule: dict[str, int] = {}
+
+    def emit(self, v: Violation) -> None:
+        n = self.per_rule[v.rule] = self.per_rule.get(v.rule, 0) + 1
+        if n <= self.limit:
+            self.kept.append(v)
+
+    def report(self, checked: dict, seconds: float) -> VerifyReport:
+        dropped = sum(max(0, n - self.limit) for n in self.per_rule.values())
+        return VerifyReport(tuple(self.kept), checked, seconds, dropped)

@@ -17,7 +17,6 @@ Live device memory (state plus staging against the capacity) is not checked here
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 from ..ir.layout import Layout
 from ..ir.state import transition_views
@@ -26,20 +25,15 @@ from .check import _devices_match
 from .data import Declared, check_data
 from .memory import check_memory
 from .order import check_deadlock
-from .report import Violation, VerifyReport
+from .report import Collector, Violation, VerifyReport
 
 
 def verify_slice(plan: Plan, src: Layout, dst: Layout, device: str,
                  budget_bytes: int | None = None, limit: int = 50) -> VerifyReport:
     """Every violation, by ``device``'s slice ``plan``, of the rules that concern it."""
     t0 = time.perf_counter()
-    kept: list[Violation] = []
-    per_rule: Counter[str] = Counter()
-
-    def emit(v: Violation) -> None:
-        per_rule[v.rule] += 1
-        if per_rule[v.rule] <= limit:
-            kept.append(v)
+    found = Collector(limit)
+    emit = found.emit
 
     sv, dv = transition_views(src, dst)
     checked: dict = {"rounds": len(plan.rounds), "device": device}
@@ -57,5 +51,4 @@ def verify_slice(plan: Plan, src: Layout, dst: Layout, device: str,
         budget = plan.budget_bytes if budget_bytes is None else budget_bytes
         checked.update(check_memory(plan, sv, dv, mine, budget, None, emit))
     check_deadlock(plan, emit)
-    dropped = sum(max(0, n - limit) for n in per_rule.values())
-    return VerifyReport(tuple(kept), checked, time.perf_counter() - t0, dropped)
+    return found.report(checked, time.perf_counter() - t0)

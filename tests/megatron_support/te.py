@@ -47,18 +47,25 @@ def te_facts(cases: list[tuple[dict, int]], probes: list | None = None,
 
 
 def _run_child(cases: list[tuple[dict, int]], probes: list | None, timeout: float) -> list:
-    with tempfile.TemporaryDirectory(prefix="te_facts_") as tmp:
+    return run_child("megatron_support.te", {"cases": cases, "probes": probes or []}, timeout,
+                     "TE harness")
+
+
+def run_child(module: str, doc: dict, timeout: float, what: str):
+    """Run ``python -m module in.json out.json`` with the stand-in TE first on its path (never
+    on this process's); ``doc`` goes in as JSON and the child's JSON result comes back."""
+    with tempfile.TemporaryDirectory(prefix="te_child_") as tmp:
         src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
         with open(src, "w") as f:
-            json.dump({"cases": cases, "probes": probes or []}, f)
+            json.dump(doc, f)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [STANDIN, TESTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                 if p]))
-        proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_support.te",
-                               src, dst], env=env, capture_output=True, text=True,
-                              timeout=timeout, cwd=TESTS, check=False)
+        proc = subprocess.run([sys.executable, "-W", "ignore", "-m", module, src, dst],
+                              env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=TESTS, check=False)
         if proc.returncode != 0:
-            raise RuntimeError(f"TE harness child failed ({proc.returncode}):\n"
+            raise RuntimeError(f"{what} child failed ({proc.returncode}):\n"
                                f"{proc.stderr[-4000:]}")
         with open(dst) as f:
             return json.load(f)

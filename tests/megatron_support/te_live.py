@@ -24,33 +24,18 @@ Each rank's result is a JSON-able dict (see ``_work``); the child writes the lis
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 
-from .te import STANDIN, TESTS
+from .te import STANDIN, run_child
 
 __all__ = ["te_live_switch"]
 
 
 def te_live_switch(cfg_a: dict, cfg_b: dict, timeout: float = 300.0) -> list[dict]:
     """Per rank, what the live switch of ``cfg_a`` -> ``cfg_b`` gave (see module doc)."""
-    with tempfile.TemporaryDirectory(prefix="te_live_") as tmp:
-        src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
-        with open(src, "w") as f:
-            json.dump({"a": cfg_a, "b": cfg_b}, f)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [STANDIN, TESTS] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                if p]))
-        proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_support.te_live",
-                               src, dst], env=env, capture_output=True, text=True,
-                              timeout=timeout, cwd=TESTS, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"TE live-switch child failed ({proc.returncode}):\n"
-                               f"{proc.stderr[-4000:]}")
-        with open(dst) as f:
-            return json.load(f)
+    return run_child("megatron_support.te_live", {"a": cfg_a, "b": cfg_b}, timeout,
+                     "TE live-switch")
 
 
 def _harness_cfg(cfg: dict) -> dict:

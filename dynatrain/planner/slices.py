@@ -30,19 +30,21 @@ two devices agree on the order of what they share when each sorts its own messag
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..ir.box import Box
 from ..ir.layout import Layout
-from ..ir.slots import members
+from ..ir.slots import flat_index, members
 from ..ir.state import StateView, Stored, transition_views
 from .intersect import Answer, Holders, PlanError, _answer, _Index
 from .plan import Plan, Transfer
-from .sources import CandidateCache, elem_bytes_of, node_of, part_transfers
+from .sources import (CandidateCache, elem_bytes_of, node_of, part_offset, part_transfers,
+                      remote_pieces)
 from .spread import Agree, Pair, agree_spread, canonical, rounds_of
 
 Model = tuple[int, int, int, int]  # (pp, tp, ep, etp): ranks that hold the same parameters
@@ -56,10 +58,11 @@ class _Side:
         self.view = view
         L = view.layout
         self.layout = L
-        self.classes, self.class_of = _classes(L)
+        self.classes, self.class_of, self.replica, self.edp = _classes(L)
         self.distopt = bool(L.parallel.use_distributed_optimizer and len(view.kinds) > 1)
         self._names: dict[Model, dict[str, list[tuple[int, object]]]] = {}
         self._opt: dict[tuple[Model, bool], dict[int, list[int]]] = {}
+        self._shapes: dict[Model, dict[str, tuple[int, ...]]] = {}
 
     def params_of(self, model: Model) -> tuple[Stored, ...]:
         return self.view.param_part(self.classes[model][0])
@@ -75,11 +78,16 @@ class _Side:
         return hit
 
     def _by_opt_rank(self, model: Model, expert: bool) -> dict[int, list[int]]:
+        """The class's ranks by their optimizer rank (``Layout.optimizer_rank``, at once)."""
         hit = self._opt.get((model, expert))
         if hit is None:
             hit = self._opt[(model, expert)] = defaultdict(list)
-            for r in self.classes[model]:
-                hit[self.layout.optimizer_rank(r, expert)].append(r)
+            L, ranks = self.layout, np.array(self.classes[model], dtype=np.int64)
+            inst = L.parallel.num_distributed_optimizer_instances
+            opt = (self.edp[ranks] % (L.edp // inst) if expert
+                   else self.replica[ranks] % (L.dp * L.parallel.cp // inst))
+            for o, r in zip(opt.tolist(), ranks.tolist()):
+                hit[o].append(r)
         return hit
 
     def holders(self, wanted: dict[str, list[Box]]) -> tuple[set[Model], set[int]]:
@@ -88,13 +96,14 @@ class _Side:
         a class with the optimizer ranks whose bucket shards cover an overlapping parameter."""
         param_classes: set[Model] = set()
         shard_ranks: set[int] = set()
+        sets = {k: _BoxSet(v) for k, v in wanted.items() if v}
         for model in self.classes:
             hit = False
             for s in self.params_of(model):
-                boxes = wanted.get(s.key)
-                if not boxes:
+                boxes = sets.get(s.key)
+                if boxes is None:
                     continue
-                over = [b for b in boxes if (s.box & b) is not None] if s.box.lo else boxes
+                over = boxes.overlapping(s.box)
                 if not over:
                     continue
                 hit = True
@@ -105,43 +114,65 @@ class _Side:
         return param_classes, shard_ranks
 
     def _shard_holders(self, model: Model, s: Stored, boxes: list[Box]) -> set[int]:
-        names = set()
-        n = getattr(s.slot, "axes", 0)  # a family: its members are its leading indices
-        seen_lead: set[tuple] = set()
+        """Optimizer ranks of ``model`` whose bucket shards cover a part of ``s`` overlapping
+        ``boxes``: the overlap's row-major range in each parameter's local tensor, mapped
+        through the parameter's place in its buffers."""
+        spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        shapes = self._local_shapes(model)
         for b in boxes:
             sub = (s.box & b) if s.box.lo else s.box
             if sub is None:
                 continue
-            lead = (sub.lo[:n], sub.hi[:n])
-            if n and lead in seen_lead:  # same members as a box already seen
-                continue
-            seen_lead.add(lead)
-            for slot, _, _ in members(s.slot, s.box, sub):
-                names.add(slot.name)
+            for slot, anchor, part in members(s.slot, s.box, sub):
+                off = getattr(slot, "local_offset", None)
+                shape = shapes.get(slot.name)
+                if off is None or shape is None or not part.lo:
+                    spans[slot.name].append((0, 1 << 62))  # not a local tensor's region: all
+                    continue
+                k = len(part.lo) - len(off)  # leading global axes the local tensor lacks
+                first = tuple(o + a - z for o, a, z in zip(off, part.lo[k:], anchor.lo[k:]))
+                last = tuple(o + a - 1 - z for o, a, z in zip(off, part.hi[k:], anchor.lo[k:]))
+                spans[slot.name].append((flat_index(shape, first), flat_index(shape, last) + 1))
         bufs = self.layout._buffers(*model)
         out: set[int] = set()
-        for name in names:
+        for name, ranges in spans.items():
             for bi, p in self._buffer_params(model).get(name, ()):
                 buf = bufs[bi]
                 bs, be = buf.buckets[p.bucket]
                 size = (be - bs) // buf.dp_size
-                lo, hi = (p.start - bs) // size, (p.end - 1 - bs) // size
                 by_opt = self._by_opt_rank(model, buf.is_expert)
-                for i in range(lo, hi + 1):
-                    out.update(by_opt.get(i, ()))
+                for a, z in ranges:
+                    a, z = p.start + a, min(p.start + z, p.end)
+                    for i in range((a - bs) // size, (z - 1 - bs) // size + 1):
+                        out.update(by_opt.get(i, ()))
         return out
 
-    def index(self, wanted: dict[str, list[Box]]) -> dict[tuple[str, tuple[str, ...]], _Index]:
-        """``intersect.build_index`` over the ranks that hold something in ``wanted``: every
-        box overlapping it, with all its holders (the same answers as the global index)."""
-        classes, shard_ranks = self.holders(wanted)
+    def _local_shapes(self, model: Model) -> dict[str, tuple[int, ...]]:
+        hit = self._shapes.get(model)
+        if hit is None:
+            hit = self._shapes[model] = {sh.param.name: sh.local_shape
+                                         for cs in self.layout._shards(*model)
+                                         for sh in cs.shards}
+        return hit
+
+    def index(self, entries: Iterable[Stored], opt_kinds: set[str]
+              ) -> dict[tuple[str, tuple[str, ...]], _Index]:
+        """``intersect.build_index`` over the ranks that hold something ``entries`` (another
+        layout's) ask for: every box overlapping them, with all its holders (the same answers
+        as the global index). Optimizer shards hold only ``opt_kinds``, so only entries asking
+        for one of those search them."""
+        entries = tuple(entries)
+        wanted = _wanted(entries)
+        classes, _ = self.holders(wanted)
+        shard_ranks: set[int] = set()
+        if self.distopt:
+            _, shard_ranks = self.holders(_wanted(e for e in entries if opt_kinds & set(e.kinds)))
         entries: dict[tuple[str, tuple[str, ...]], dict[Box, dict]] = defaultdict(
             lambda: defaultdict(dict))
         seen: dict[int, tuple[tuple[Stored, ...], list[int]]] = {}
-        for model in classes:
-            for r in self.classes[model]:
-                part = self.view.param_part(r)
-                seen.setdefault(id(part), (part, []))[1].append(r)
+        for model in classes:  # a class's ranks share one parameter part
+            part = self.params_of(model)
+            seen.setdefault(id(part), (part, []))[1].extend(self.classes[model])
         for r in shard_ranks:
             part = self.view.shard_part(r)
             seen.setdefault(id(part), (part, []))[1].append(r)
@@ -155,24 +186,54 @@ class _Side:
                            for box, slots in v.items()}) for k, v in entries.items()}
 
 
-def _classes(L: Layout) -> tuple[dict[Model, list[int]], list[Model]]:
-    """Ranks per model-parallel class, and each rank's class: the mesh's arithmetic on all
-    ranks at once (a per-rank ``coords`` call costs seconds at 100k ranks)."""
+class _BoxSet:
+    """Boxes of one tensor, asked which overlap a given box: one numpy comparison instead of a
+    ``Box.__and__`` per box (the sends side asks about thousands of boxes per class)."""
+
+    __slots__ = ("boxes", "lo", "hi")
+
+    def __init__(self, boxes: list[Box]) -> None:
+        self.boxes = boxes
+        self.lo = np.array([b.lo for b in boxes], dtype=np.int64)
+        self.hi = np.array([b.hi for b in boxes], dtype=np.int64)
+
+    def overlapping(self, box: Box) -> list[Box]:
+        if not box.lo or len(self.boxes) == 1 and (box & self.boxes[0]) is not None:
+            return self.boxes
+        if len(self.boxes) == 1:
+            return []
+        hit = ((self.lo < np.array(box.hi)) & (self.hi > np.array(box.lo))).all(axis=1)
+        return [self.boxes[i] for i in np.flatnonzero(hit).tolist()]
+
+
+def _classes(L: Layout) -> tuple[dict[Model, list[int]], list[Model], np.ndarray, np.ndarray]:
+    """Ranks per model-parallel class, each rank's class, and each rank's replica index (its
+    rank in the dense data-parallel-with-context group, ``RankCoords.dp_cp``) and expert-DP
+    index (``RankCoords.edp``): the mesh's
+    arithmetic on all ranks at once (a per-rank ``coords`` call costs seconds at 100k
+    ranks)."""
     ranks = np.arange(L.world, dtype=np.int64)
 
     def coords(grid) -> dict[str, np.ndarray]:
         return {t: (ranks // st) % n for t, n, st in zip(grid.order, grid.sizes, grid.strides())}
 
     d, e = coords(L.mesh.dense), coords(L.mesh.expert)
+    replica, acc = np.zeros(L.world, dtype=np.int64), 1
+    for t, n in zip(L.mesh.dense.order, L.mesh.dense.sizes):  # as ``Grid.group_rank``
+        if t in ("cp", "dp"):
+            replica += d[t] * acc
+            acc *= n
     cols = (d["pp"], d["tp"], e["ep"], e["tp"])
-    keys = np.stack(cols, axis=1)
-    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    key = np.zeros(L.world, dtype=np.int64)  # one integer per class: a 1-D unique is fast
+    for c in cols:
+        key = key * (int(c.max()) + 1) + c
+    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
-    models = [tuple(int(x) for x in row) for row in uniq]
+    models = [tuple(int(c[r]) for c in cols) for r in first.tolist()]
     order = np.argsort(inverse, kind="stable")
     bounds = np.searchsorted(inverse[order], np.arange(len(models) + 1))
     classes = {m: order[bounds[i]:bounds[i + 1]].tolist() for i, m in enumerate(models)}
-    return classes, [models[i] for i in inverse.tolist()]
+    return classes, [models[i] for i in inverse.tolist()], replica, e["dp"]
 
 
 def _wanted(entries) -> dict[str, list[Box]]:
@@ -194,6 +255,7 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
     cands = CandidateCache(src_nodes)
     rank_on_device = {d: r for r, d in enumerate(src.devices)}
     ebytes: dict[tuple[str, tuple[str, ...]], int] = {}
+    opt = set(dv.kinds) - {"param"}  # what optimizer shards hold
 
     def receives(dst_rank: int, entries: tuple[Stored, ...], index) -> list[Transfer]:
         dev = dst.devices[dst_rank]
@@ -209,62 +271,116 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
     if device in dst.devices:
         d = dst.devices.index(device)
         mine = dv.stored(d)
-        recv = receives(d, mine, s_side.index(_wanted(mine)))
+        recv = receives(d, mine, s_side.index(mine, opt))
     sends: list[Transfer] = []
     if device in src.devices:
         s = src.devices.index(device)
-        held = _wanted(sv.stored(s))
-        classes, shard_ranks = d_side.holders(held)
+        mine = sv.stored(s)
         me = dst.devices.index(device) if device in dst.devices else -1
-        # The destination ranks whose entries touch what this device holds: parameters of
-        # the overlapping classes, shards of the overlapping optimizer ranks (each rank's
-        # shards are only built when they may touch).
-        touching: dict[int, list[Stored]] = defaultdict(list)
+        # Receivers grouped by the destination entries they ask about (touching what this
+        # device holds, kind by kind): one group per overlapping parameter class, and one
+        # per overlapping optimizer shard. Shards are searched only with what this device
+        # holds of the optimizer's kinds: a shard of another replica's range needs none of
+        # the parameters every replica holds.
+        classes, _ = d_side.holders(_wanted(mine))
+        _, shard_ranks = d_side.holders(_wanted(e for e in mine if opt & set(e.kinds)))
+        by_kind = _held_by_kind(mine, derived)
+        groups: list[tuple[tuple[Stored, ...], list[int]]] = []
         for m in classes:
-            got = [e for e in d_side.params_of(m) if _touches(e, held)]
-            covered: dict[Model, list[Stored]] = {}  # per class of the taker's own device
-            for r in d_side.classes[m]:
-                h = rank_on_device.get(dst.devices[r], -1)
-                if r == me or h == s:
-                    continue
-                if h >= 0:  # what the taker's own device holds it copies (sources, rule 1)
-                    hm = s_side.class_of[h]
-                    rest = covered.get(hm)
-                    if rest is None:
-                        rest = covered[hm] = [e for e in got
-                                              if not _holds(s_side.params_of(hm), e)]
-                else:
-                    rest = got
-                touching[r].extend(rest)
-        for r in shard_ranks:
-            if r != me:
-                touching[r].extend(e for e in dv.shard_part(r) if _touches(e, held))
-        asked = _wanted(e for got in touching.values() for e in got)
-        index = s_side.index(asked)  # every source box those entries overlap
-        for r in sorted(touching):
-            if touching[r]:
-                sends.extend(t for t in receives(r, tuple(touching[r]), index)
-                             if t.src_rank == s)
+            got = tuple(e for e in d_side.params_of(m) if _touches(e, by_kind))
+            if got:
+                groups.append((got, [r for r in d_side.classes[m] if r != me]))
+        for r in sorted(shard_ranks):
+            got = tuple(e for e in dv.shard_part(r) if _touches(e, by_kind))
+            if got and r != me:
+                groups.append((got, [r]))
+        index = s_side.index((e for got, _ in groups for e in got), opt)
+        group_of = {(key, k): kinds for key, kinds in index for k in kinds}
+        taker = _Takers(src, dst, s, rank_on_device, replica_of, d_side.replica)
+        for entries, ranks in groups:
+            if len(ranks) == 1:
+                sends.extend(t for t in receives(ranks[0], entries, index) if t.src_rank == s)
+            elif ranks:
+                answers = _answer(entries, index, group_of, ranks[0], derived)
+                sends.extend(taker.sends(answers, ranks, cands, dtypes, ebytes))
     return recv, sends
 
 
-def _holds(entries: tuple[Stored, ...], e: Stored) -> bool:
-    """Whether ``entries`` (a source rank's parameters) hold all of ``e`` for all its kinds,
-    in one box (then every part of ``e`` comes from that rank: ``sources``' first rule)."""
-    for s in entries:
-        if s.key == e.key and s.primary and set(e.kinds) <= set(s.kinds) and (
-                not e.box.lo or (s.box & e.box) == e.box):
+def _held_by_kind(entries: tuple[Stored, ...], derived: tuple[str, ...]
+                  ) -> dict[str, dict[str, _BoxSet]]:
+    """Per state kind (those not derived), the boxes per tensor key held in ``entries``."""
+    out: dict[str, dict[str, dict[Box, None]]] = defaultdict(lambda: defaultdict(dict))
+    for e in entries:
+        for k in e.kinds:
+            if k not in derived:
+                out[k][e.key][e.box] = None
+    return {k: {key: _BoxSet(list(v)) for key, v in keys.items()} for k, keys in out.items()}
+
+
+def _touches(e: Stored, held: dict[str, dict[str, _BoxSet]]) -> bool:
+    """Whether some kind of ``e`` overlaps what ``held`` (``_held_by_kind``) holds of it."""
+    for k in e.kinds:
+        boxes = held.get(k, {}).get(e.key)
+        if boxes is not None and boxes.overlapping(e.box):
             return True
     return False
 
 
-def _touches(e: Stored, wanted: dict[str, list[Box]]) -> bool:
-    boxes = wanted.get(e.key)
-    if not boxes:
-        return False
-    if not e.box.lo:
-        return True
-    return any((e.box & b) is not None for b in boxes)
+class _Takers:
+    """The transfers one source rank sends to a group of destination ranks that ask about the
+    same entries (the DP replicas of a class), without picking for every replica: a receiver
+    whose node holds none of a part takes piece i from ``ranks[(replica + offset + i) % n]``
+    (``sources``), so the replicas that take it from this rank are found by arithmetic. Only
+    the receivers on this rank's own node (which pick among their node's holders) are picked
+    one by one."""
+
+    def __init__(self, src: Layout, dst: Layout, s: int, rank_on_device: dict[str, int],
+                 replica_of: Callable[[int], int], replicas: np.ndarray) -> None:
+        self.dst, self.s = dst, s
+        self.node = node_of(src.devices[s])
+        self.rank_on_device = rank_on_device
+        self.replica_of = replica_of
+        self.replicas = replicas  # every destination rank's replica_of, at once
+
+    def sends(self, answers, ranks: list[int], cands: CandidateCache, dtypes: dict,
+              ebytes: dict) -> list[Transfer]:
+        dst, s = self.dst, self.s
+        by_replica = dict(zip(self.replicas[ranks].tolist(), ranks))
+        if len(by_replica) != len(ranks):  # not one rank per replica: pick for each
+            raise PlanError("internal: a destination class repeats a replica index")
+        top = max(by_replica)
+        node = {r: node_of(dst.devices[r]) for r in ranks}
+        near = [r for r in ranks if node[r] == self.node]  # takers on this rank's node
+        out: list[Transfer] = []
+        for ans in answers:
+            e = ans.entry
+            eb = ebytes.get((e.key, ans.kinds))
+            if eb is None:
+                eb = ebytes[(e.key, ans.kinds)] = elem_bytes_of(dtypes, e.key, ans.kinds)
+            for box, holders in ans.parts:
+                c = cands(holders)
+                if s not in c.members:
+                    continue
+                nbytes = box.numel * eb
+                for r in near:
+                    here = self.rank_on_device.get(dst.devices[r], -1)
+                    out.extend(t for t in part_transfers(
+                        e.key, ans.kinds, box, nbytes, c, r, here, self.node,
+                        self.replica_of(r), e.slot, e.box) if t.src_rank == s)
+                n = len(c.ranks)
+                i = bisect_left(c.ranks, s)
+                offset = part_offset(e.key, box)
+                h = c.group[s]
+                for piece, (sub, sub_bytes) in enumerate(remote_pieces(box, nbytes, c)):
+                    for rep in range((i - offset - piece) % n, top + 1, n):
+                        r = by_replica.get(rep)
+                        # A taker on a node holding the part picks there (its own device
+                        # first); those on this rank's node were picked above.
+                        if r is None or node[r] in c.by_node:
+                            continue
+                        out.append(Transfer(e.key, ans.kinds, sub, s, r, h.slot, h.anchor,
+                                            e.slot, e.box, sub_bytes))
+        return out
 
 
 def _transfers(ans: Answer, dst_rank: int, here: int, dst_node: str, replica: int,

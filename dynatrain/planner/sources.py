@@ -101,27 +101,34 @@ class CandidateCache:
         return c
 
 
+def remote_pieces(box: Box, nbytes: int, cands: Candidates) -> list[tuple[Box, int]]:
+    """(box, bytes) of each piece a receiver not holding the part takes from one holder: the
+    whole part, or each slab of a large replicated one (piece i picks with ``slab`` = i)."""
+    if nbytes > SLAB_BYTES and len(cands.ranks) > 1:
+        # A replicated part spanning many layers: one holder per slab, or its one sender
+        # would carry all of them.
+        eb = nbytes // box.numel
+        return [(sub, sub.numel * eb) for sub in slabs(box, nbytes)]
+    return [(box, nbytes)]
+
+
 def part_transfers(key: str, kinds: tuple[str, ...], box: Box, nbytes: int,
                    cands: Candidates, dst_rank: int, here: int, dst_node: str, replica: int,
                    dst_slot, dst_anchor: Box) -> list[Transfer]:
     """The transfers that bring one part to ``dst_rank``: one, or one per slab of a large
     replicated part not held on the receiver's device (each slab from the next holder)."""
     offset = part_offset(key, box)
-    rank = cands.choose(here, dst_node, replica, offset, 0)
-    if rank != here and nbytes > SLAB_BYTES and len(cands.ranks) > 1:
-        # A replicated part spanning many layers: one holder per slab, or its one sender
-        # would carry all of them.
-        out = []
-        eb = nbytes // box.numel
-        for s, sub in enumerate(slabs(box, nbytes)):
-            r = cands.choose(here, dst_node, replica, offset, s)
-            h = cands.group[r]
-            out.append(Transfer(key, kinds, sub, r, dst_rank, h.slot, h.anchor, dst_slot,
-                                dst_anchor, sub.numel * eb))
-        return out
-    h = cands.group[rank]
-    return [Transfer(key, kinds, box, rank, dst_rank, h.slot, h.anchor, dst_slot, dst_anchor,
-                     nbytes)]
+    if here in cands.members:
+        h = cands.group[here]
+        return [Transfer(key, kinds, box, here, dst_rank, h.slot, h.anchor, dst_slot,
+                         dst_anchor, nbytes)]
+    out = []
+    for s, (sub, n) in enumerate(remote_pieces(box, nbytes, cands)):
+        r = cands.choose(here, dst_node, replica, offset, s)
+        h = cands.group[r]
+        out.append(Transfer(key, kinds, sub, r, dst_rank, h.slot, h.anchor, dst_slot,
+                            dst_anchor, n))
+    return out
 
 
 def elem_bytes_of(dtypes: dict[tuple[str, str], str], key: str, kinds: tuple[str, ...]) -> int:

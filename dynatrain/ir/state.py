@@ -37,6 +37,7 @@ from .slots import (BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, flat_index
                     members, renamed, slot_key)
 
 OPTIMIZER_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
+STEP_KEY = "optimizer.step"  # the Adam step: one scalar per rank, held with the parameters
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +178,7 @@ class StateView:
                         out[(b.key, "buffer")] = LogicalTensor(
                             b.key, "buffer", tuple(s for _, s in b.prepend) + b.shape, "fp32")
         if len(self.kinds) > 1:
-            out[("optimizer.step", "step")] = LogicalTensor("optimizer.step", "step", (), "int64")
+            out[(STEP_KEY, "step")] = LogicalTensor(STEP_KEY, "step", (), "int64")
         return out
 
     def regions(self, rank: int) -> tuple[Region, ...]:
@@ -233,7 +234,7 @@ class StateView:
         """Non-expert params and buffers of stage ``pp`` on TP rank ``tp`` (and the step)."""
         out = self._module_stored((pp, tp, 0, 0), expert=False)
         if len(self.kinds) > 1:
-            out.append(Stored("optimizer.step", ("step",), Box((), ()), BufferSlot(-1, "step")))
+            out.append(Stored(STEP_KEY, ("step",), Box((), ()), BufferSlot(-1, "step")))
         return tuple(out)
 
     @lru_cache(maxsize=4096)

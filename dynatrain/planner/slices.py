@@ -39,8 +39,9 @@ import numpy as np
 
 from ..ir.box import Box
 from ..ir.layout import Layout
+from ..ir.model import chunk_params
 from ..ir.slots import flat_index, members
-from ..ir.state import StateView, Stored, transition_views
+from ..ir.state import STEP_KEY, StateView, Stored, transition_views
 from .intersect import Answer, Holders, PlanError, _answer, _Index
 from .plan import Plan, Transfer
 from .sources import (CandidateCache, elem_bytes_of, node_of, part_offset, part_transfers,
@@ -63,6 +64,7 @@ class _Side:
         self._names: dict[Model, dict[str, list[tuple[int, object]]]] = {}
         self._opt: dict[tuple[Model, bool], dict[int, list[int]]] = {}
         self._shapes: dict[Model, dict[str, tuple[int, ...]]] = {}
+        self._lead_cache: dict[tuple[int, int], dict[str, np.ndarray | None]] = {}
 
     def params_of(self, model: Model) -> tuple[Stored, ...]:
         return self.view.param_part(self.classes[model][0])
@@ -90,14 +92,50 @@ class _Side:
                 hit[o].append(r)
         return hit
 
+    def _leads(self, pp: int, ep: int) -> dict[str, np.ndarray | None]:
+        """Per tensor key that classes of stage ``pp`` and EP rank ``ep`` hold, the leading
+        (layer, expert) indices of its boxes; None where it has no leading axes (any box of
+        the key may overlap). From the model's parameter list alone: compiling a class's
+        shards costs about a millisecond, and a slice would compile every class. (A filter
+        on the TP split would rarely help: every stage holds TP-replicated norms.)"""
+        hit = self._lead_cache.get((pp, ep))
+        if hit is None:
+            L, p = self.layout, self.layout.parallel
+            leads: dict[str, set[tuple[int, ...]] | None] = {}
+            for ch in L.chunks(pp):
+                defs, bufs = chunk_params(L.model, p.tp, p.ep, ep, ch.layers, ch.pre_process,
+                                          ch.post_process, p.pp > 1)
+                for d in (*defs, *bufs):
+                    lead = tuple(i for i, _ in d.prepend)
+                    if not lead:
+                        leads[d.key] = None
+                    elif leads.get(d.key, ()) is not None:
+                        leads.setdefault(d.key, set()).add(lead)  # type: ignore[union-attr]
+            hit = self._lead_cache[(pp, ep)] = {
+                k: None if v is None else np.array(sorted(v), dtype=np.int64)
+                for k, v in leads.items()}
+        return hit
+
+    def _may_hold(self, model: Model, sets: dict[str, "_BoxSet"]) -> bool:
+        """Whether ``model``'s parameters may overlap ``sets``, judged by keys and leading
+        indices alone (never False where they do: ``params_of`` then decides)."""
+        leads = self._leads(model[0], model[2])
+        for key, boxes in sets.items():
+            if key in leads and (leads[key] is None or boxes.meets_leads(leads[key])):
+                return True
+        return False
+
     def holders(self, wanted: dict[str, list[Box]]) -> tuple[set[Model], set[int]]:
         """Classes whose parameters, and ranks whose optimizer shards, overlap ``wanted``
         (boxes per tensor key). Parameters are held by whole classes; a shard by the ranks of
         a class with the optimizer ranks whose bucket shards cover an overlapping parameter."""
         param_classes: set[Model] = set()
         shard_ranks: set[int] = set()
-        sets = {k: _BoxSet(v) for k, v in wanted.items() if v}
+        # Every rank holds the step: ``index`` lists its holders without visiting classes.
+        sets = {k: _BoxSet(v) for k, v in wanted.items() if v and k != STEP_KEY}
         for model in self.classes:
+            if not self._may_hold(model, sets):
+                continue
             hit = False
             for s in self.params_of(model):
                 boxes = sets.get(s.key)
@@ -161,14 +199,17 @@ class _Side:
         layout's) ask for: every box overlapping them, with all its holders (the same answers
         as the global index). Optimizer shards hold only ``opt_kinds``, so only entries asking
         for one of those search them."""
-        entries = tuple(entries)
-        wanted = _wanted(entries)
+        asked = tuple(entries)
+        wanted = _wanted(asked)
         classes, _ = self.holders(wanted)
         shard_ranks: set[int] = set()
         if self.distopt:
-            _, shard_ranks = self.holders(_wanted(e for e in entries if opt_kinds & set(e.kinds)))
-        entries: dict[tuple[str, tuple[str, ...]], dict[Box, dict]] = defaultdict(
+            _, shard_ranks = self.holders(_wanted(e for e in asked if opt_kinds & set(e.kinds)))
+        table: dict[tuple[str, tuple[str, ...]], dict[Box, dict]] = defaultdict(
             lambda: defaultdict(dict))
+        step = self.step() if STEP_KEY in wanted else None
+        if step is not None:  # held by every rank, in the same slot
+            table[(step.key, step.kinds)][step.box][step.slot] = list(range(self.layout.world))
         seen: dict[int, tuple[tuple[Stored, ...], list[int]]] = {}
         for model in classes:  # a class's ranks share one parameter part
             part = self.params_of(model)
@@ -178,12 +219,17 @@ class _Side:
             seen.setdefault(id(part), (part, []))[1].append(r)
         for part, ranks in seen.values():
             for s in part:
-                if s.primary and s.key in wanted:
-                    slots = entries[(s.key, s.kinds)][s.box]
+                if s.primary and s.key in wanted and s.key != STEP_KEY:
+                    slots = table[(s.key, s.kinds)][s.box]
                     slots.setdefault(s.slot, []).extend(ranks)
         return {k: _Index({box: [Holders(tuple(sorted(rs)), slot, box)
                                  for slot, rs in slots.items()]
-                           for box, slots in v.items()}) for k, v in entries.items()}
+                           for box, slots in v.items()}) for k, v in table.items()}
+
+    def step(self) -> Stored | None:
+        """The Adam step's entry (every rank holds the same one), None without optimizer state."""
+        first = next(iter(self.classes))
+        return next((e for e in self.params_of(first) if e.key == STEP_KEY), None)
 
 
 class _BoxSet:
@@ -196,6 +242,13 @@ class _BoxSet:
         self.boxes = boxes
         self.lo = np.array([b.lo for b in boxes], dtype=np.int64)
         self.hi = np.array([b.hi for b in boxes], dtype=np.int64)
+
+    def meets_leads(self, leads: np.ndarray) -> bool:
+        """Whether some box contains one of ``leads`` (rows of leading indices) in its
+        leading axes."""
+        n = leads.shape[1]
+        lo, hi = self.lo[:, None, :n], self.hi[:, None, :n]
+        return bool(((lo <= leads[None]) & (leads[None] < hi)).all(axis=2).any())
 
     def overlapping(self, box: Box) -> list[Box]:
         if not box.lo or len(self.boxes) == 1 and (box & self.boxes[0]) is not None:
@@ -287,13 +340,20 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
         by_kind = _held_by_kind(mine, derived)
         groups: list[tuple[tuple[Stored, ...], list[int]]] = []
         for m in classes:
-            got = tuple(e for e in d_side.params_of(m) if _touches(e, by_kind))
+            got = tuple(e for e in d_side.params_of(m)
+                        if e.key != STEP_KEY and _touches(e, by_kind))
             if got:
                 groups.append((got, [r for r in d_side.classes[m] if r != me]))
         for r in sorted(shard_ranks):
             got = tuple(e for e in dv.shard_part(r) if _touches(e, by_kind))
             if got and r != me:
                 groups.append((got, [r]))
+        # The step: every device that was a source device holds its own; new devices pick
+        # it by rotation over every source rank.
+        step = d_side.step() if any(e.key == STEP_KEY for e in mine) else None
+        if step is not None:
+            groups.extend(((step,), [r]) for r, dev in enumerate(dst.devices)
+                          if dev not in rank_on_device and r != me)
         index = s_side.index((e for got, _ in groups for e in got), opt)
         group_of = {(key, k): kinds for key, kinds in index for k in kinds}
         taker = _Takers(src, dst, s, rank_on_device, replica_of, d_side.replica)

@@ -101,6 +101,14 @@ class Layout:
             out.append(ChunkShards(ch, shards, bufs))
         return tuple(out)
 
+    def chunk_defs(self, pp: int, ep: int
+                   ) -> tuple[tuple[tuple[ParamDef, ...], tuple[BufferDef, ...]], ...]:
+        """Per chunk of stage ``pp``, its parameters before TP splitting (expert ones those of
+        EP rank ``ep``) and its state buffers: what a stage holds, without its shards."""
+        p = self.parallel
+        return tuple(chunk_params(self.model, p.tp, p.ep, ep, ch.layers, ch.pre_process,
+                                  ch.post_process, p.pp > 1) for ch in self.chunks(pp))
+
     @lru_cache(maxsize=4096)
     def _split(self, pp: int, expert: bool, ep: int, rank: int
                ) -> tuple[tuple[tuple[Shard | None, ...], tuple[BufferDef, ...]], ...]:
@@ -109,9 +117,7 @@ class Layout:
         TP rank ``rank`` (every EP rank has the same dense params)."""
         p = self.parallel
         out = []
-        for ch in self.chunks(pp):
-            defs, bufs = chunk_params(self.model, p.tp, p.ep, ep, ch.layers, ch.pre_process,
-                                      ch.post_process, p.pp > 1)
+        for defs, bufs in self.chunk_defs(pp, ep):
             if expert:
                 shards = tuple((shard(d, rank, p.expert_tp) if d.split else shard(d, 0, 1))
                                if d.expert else None for d in defs)

@@ -162,21 +162,23 @@ class StateView:
     def _collect_tensors(self) -> dict[tuple[str, str], LogicalTensor]:
         L, out = self.layout, {}
         V = self.vocab_rows
+        # From the parameter definitions: splitting every class's shards would cost seconds
+        # on a large MoE model, and the global shapes do not depend on the split. Every EP
+        # rank holds the same keys (its experts are indices of a leading axis): EP rank 0's
+        # definitions name them all.
         for pp in range(L.parallel.pp):
-            for ep in range(L.parallel.ep):
-                for cs in L._shards(pp, 0, ep, 0):
-                    for sh in cs.shards:
-                        if (sh.param.key, "param") in out:  # stacked keys repeat per layer
-                            continue
-                        shape = list(sh.global_shape)
-                        if sh.param.split is not None and sh.param.split.vocab:
-                            shape[len(sh.param.prepend) + sh.param.split.dim] = V
-                        for kind, dtype in self.kinds.items():
-                            out[(sh.param.key, kind)] = LogicalTensor(sh.param.key, kind,
-                                                                      tuple(shape), dtype)
-                    for b in cs.buffers:
-                        out[(b.key, "buffer")] = LogicalTensor(
-                            b.key, "buffer", tuple(s for _, s in b.prepend) + b.shape, "fp32")
+            for defs, bufs in L.chunk_defs(pp, 0):
+                for d in defs:
+                    if (d.key, "param") in out:  # stacked keys repeat per layer
+                        continue
+                    shape = [s for _, s in d.prepend] + list(d.shape)
+                    if d.split is not None and d.split.vocab:
+                        shape[len(d.prepend) + d.split.dim] = V
+                    for kind, dtype in self.kinds.items():
+                        out[(d.key, kind)] = LogicalTensor(d.key, kind, tuple(shape), dtype)
+                for b in bufs:
+                    out[(b.key, "buffer")] = LogicalTensor(
+                        b.key, "buffer", tuple(s for _, s in b.prepend) + b.shape, "fp32")
         if len(self.kinds) > 1:
             out[(STEP_KEY, "step")] = LogicalTensor(STEP_KEY, "step", (), "int64")
         return out

@@ -39,7 +39,6 @@ import numpy as np
 
 from ..ir.box import Box
 from ..ir.layout import Layout
-from ..ir.model import chunk_params
 from ..ir.slots import flat_index, members
 from ..ir.state import STEP_KEY, StateView, Stored, transition_views
 from .intersect import Answer, Holders, PlanError, _answer, _Index
@@ -100,11 +99,8 @@ class _Side:
         on the TP split would rarely help: every stage holds TP-replicated norms.)"""
         hit = self._lead_cache.get((pp, ep))
         if hit is None:
-            L, p = self.layout, self.layout.parallel
             leads: dict[str, set[tuple[int, ...]] | None] = {}
-            for ch in L.chunks(pp):
-                defs, bufs = chunk_params(L.model, p.tp, p.ep, ep, ch.layers, ch.pre_process,
-                                          ch.post_process, p.pp > 1)
+            for defs, bufs in self.layout.chunk_defs(pp, ep):
                 for d in (*defs, *bufs):
                     lead = tuple(i for i, _ in d.prepend)
                     if not lead:

@@ -1,28 +1,33 @@
 """A megatron dist checkpoint loaded straight into any layout, bit for bit (issue 20, part 3).
 
-A real megatron-core 0.16.1 job (TP2·DP2, GQA, SwiGLU, vocab 200 padded to 224) trains one step
-in forked gloo workers and saves a ``torch_dist`` checkpoint with ``dist_checkpointing.save``
-(model + fully_reshardable optimizer, as Megatron-LM does). Then, in this process:
+A real megatron-core job (the installed one: 0.16.1 on Python 3.11, 0.19.2 on 3.12; TP2·DP2,
+GQA, SwiGLU, vocab 200 padded to 224) trains one step in forked gloo workers and saves a
+``torch_dist`` checkpoint with ``dist_checkpointing.save`` (model + fully_reshardable optimizer,
+as Megatron-LM does). Then, in this process:
 
 * **load vs an independent oracle.** For each destination layout, ``load_checkpoint_ranks``
   must give every rank exactly the storage the IR assigns it (``storage.fill_from_global``) from
   global tensors assembled from the *source job's* own ``sharded_state_dict`` records: every
   storage tensor equal bit for bit, vocab padding rows the checkpoint lacks left zero.
-* **megatron's own reload.** megatron-core 0.16.1's loader, in real TP2·PP2·VPP2 and PP2·DP2
-  jobs, gives the same state as ours (a second, independent reference); ``load_checkpoint_into``
-  a fresh job of the same layout makes megatron's own view of it (module state, DDP buffers,
+* **megatron's own reload.** the installed megatron-core's loader, in real TP2·PP2·VPP2 and
+  PP2·DP2 jobs, gives the same state as ours (a second, independent reference);
+  ``load_checkpoint_into`` a fresh job of the same layout makes megatron's own view of it (module state, DDP buffers,
   optimizer state, step) equal to the megatron-loaded job's, and the next step's losses agree.
 * **bounded reads.** One rank reads only the chunks that meet what it holds; chunks in flight
   never exceed the budget (one chunk when the budget is smaller than any chunk).
 * **only what was lost.** ``only=`` (a ``LostState`` or boxes) reads just the chunks that meet
   those boxes and writes just them into existing storage; everything else stays as it was.
+* **the common state** (Adam's step): ``common.pt`` as 0.16 writes it, the ``common_state``
+  entry as 0.19 writes it; both read like megatron's own ``load_common_state_dict``.
 * **refusals.** Missing directory, truncated chunk file, ``.metadata`` that would unpickle a
-  class outside the allow-list (nothing it names runs), unknown format version, another model,
-  a dp_reshardable optimizer: each one ``CheckpointError`` line, exit status 2.
+  class outside the allow-list (nothing it names runs), a common state that would unpickle
+  one or is missing or malformed, unknown format version, another model, a dp_reshardable
+  optimizer: each one ``CheckpointError`` line, exit status 2.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -35,6 +40,8 @@ from dynatrain.checkpoint import (CheckpointError, LoadStats, base_key, checkpoi
                                   format_load, load_checkpoint, load_checkpoint_into,
                                   load_checkpoint_ranks, load_planned,
                                   open_checkpoint, plan_load)
+from dynatrain.checkpoint.format import COMMON_STATE
+from dynatrain.checkpoint.load import read_step
 from dynatrain.ir.box import Box
 from dynatrain.ir.errors import EXIT_BAD_INPUT
 from dynatrain.ir.layout import Layout
@@ -139,9 +146,9 @@ def test_load_equals_the_source_state_in_every_layout(source: dict, name: str) -
 
 
 def test_megatron_reload_of_the_same_files_agrees(source: dict) -> None:
-    """megatron-core 0.16.1's own dist-checkpoint load of the same files, in real jobs of two
-    destination layouts (VPP, tied embedding on PP2), extracted through the bridge: equal to
-    ours and to the oracle, bit for bit. (Its reload goes wrong only with multi-bucket
+    """The installed megatron-core's own dist-checkpoint load of the same files, in real jobs of
+    two destination layouts (VPP, tied embedding on PP2), extracted through the bridge: equal
+    to ours and to the oracle, bit for bit. (Its reload goes wrong only with multi-bucket
     DistributedOptimizer buffers, which this harness does not build: ``megatron-layout.md``.)"""
     names = ("tp2-pp2-vpp2", "pp2-dp2-tied")
     cfgs = {n: live.resolve(to_harness_cfg(DSTS[n])) for n in names}
@@ -365,7 +372,8 @@ def test_refuses_metadata_naming_a_class_outside_the_allow_list(source: dict, tm
     md.planner_data = Hostile()
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(md, f)
-    _refused(path, match="refuses to unpickle io.open")
+    # The pickle names builtins' open by its module: io.open on Python 3.11, _io.open on 3.12.
+    _refused(path, match=f"refuses to unpickle {open.__module__}.open")
     assert not marker.exists()
     with open(os.path.join(path, ".metadata"), "wb") as f:
         f.write(b"\x80\x04garbage")
@@ -383,6 +391,174 @@ def test_refuses_an_unknown_format_version(source: dict, tmp_path) -> None:
     with open(meta, "w") as f:
         json.dump(dict(doc, sharded_backend="zarr"), f)
     _refused(path, match="format 'zarr'")
+
+
+# ---- the common state: common.pt (megatron-core 0.16) or the common_state entry (0.19) ----------
+
+
+def _installed_series() -> tuple[int, int]:
+    from dynatrain.ir.versions import installed, series_key
+
+    return series_key(installed())
+
+
+def _raw_metadata(path: str):
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        return pickle.load(f)  # a genuine file, written by this test's own job
+
+
+def _write_metadata(path: str, md) -> None:
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+
+def _point_common_state(path: str, payload: bytes) -> None:
+    """Append ``payload`` to a chunk file and make it the ``common_state`` entry's bytes, as
+    megatron-core 0.19 stores a ShardedObject (strategies/torch.py:316-320): a bytes entry of
+    ``.metadata`` with its file, offset and length."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    name = "__0_0.distcp"
+    offset = os.path.getsize(os.path.join(path, name))
+    with open(os.path.join(path, name), "ab") as f:
+        f.write(payload)
+    md = _raw_metadata(path)
+    md.state_dict_metadata[COMMON_STATE] = BytesStorageMetadata()
+    md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn != COMMON_STATE}
+    md.storage_data[MetadataIndex(COMMON_STATE)] = _StorageInfo(name, offset, len(payload))
+    _write_metadata(path, md)
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _relaid(source: dict, tmp_path, where: str) -> str:
+    """A copy of the source checkpoint with its common state laid out as megatron-core 0.16
+    (``where="common.pt"``: metadata.json names the torch common backend, ``common.pt``) or 0.19
+    (``"common_state"``: neither, the ``common_state`` bytes entry) writes it; the tensors and
+    the common state itself unchanged. The installed megatron-core writes one of the two; this
+    gives the reader the other layout too."""
+    path = str(tmp_path / f"relaid-{where}")
+    shutil.copytree(source["full"], path)
+    common = open_checkpoint(path).common()
+    meta = os.path.join(path, "metadata.json")
+    with open(meta) as f:
+        doc = {k: v for k, v in json.load(f).items() if not k.startswith("common_backend")}
+    if where == "common.pt":
+        doc.update(common_backend="torch", common_backend_version=1)
+        torch.save(common, os.path.join(path, "common.pt"))
+        md = _raw_metadata(path)
+        md.state_dict_metadata.pop(COMMON_STATE, None)
+        md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn != COMMON_STATE}
+        _write_metadata(path, md)
+    else:
+        if os.path.exists(os.path.join(path, "common.pt")):
+            os.remove(os.path.join(path, "common.pt"))
+        _point_common_state(path, _saved([common]))
+    with open(meta, "w") as f:
+        json.dump(doc, f)
+    return path
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and live.bits_equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k])
+                                                                    for k in a)
+    if isinstance(a, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b)))
+    return type(a) is type(b) and a == b
+
+
+def test_common_state_is_where_the_installed_megatron_keeps_it(source: dict) -> None:
+    """megatron-core 0.16 writes common.pt and names it in metadata.json; 0.19 writes neither
+    and saves the common state as the ``common_state`` ShardedObject (0.19.2
+    dist_checkpointing/serialization.py:439-445, core.py:22-34). Either way DynaTrain reads
+    what megatron's own ``load_common_state_dict`` reads, and the step in it."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    path = source["full"]
+    with open(os.path.join(path, "metadata.json")) as f:
+        doc = json.load(f)
+    has_pt = os.path.isfile(os.path.join(path, "common.pt"))
+    ckpt = open_checkpoint(path)
+    entry = COMMON_STATE in _raw_metadata(path).state_dict_metadata
+    if _installed_series() == (0, 16):
+        assert (doc.get("common_backend"), doc.get("common_backend_version")) == ("torch", 1)
+        assert has_pt and not entry and ckpt.common_state is None
+    else:
+        assert _installed_series() == (0, 19)
+        assert "common_backend" not in doc and "common_backend_version" not in doc
+        assert not has_pt and entry and ckpt.common_state is not None
+        assert ckpt.common_state.file in ckpt.files
+    assert _same(ckpt.common(), load_common_state_dict(path))
+    assert read_step(ckpt) == 1
+
+
+@pytest.mark.parametrize("where", ["common.pt", "common_state"])
+def test_reads_either_common_state_layout(source: dict, tmp_path, where: str) -> None:
+    """Both layouts load the same state, bit for bit (one of them is the installed
+    megatron-core's own files, the other relaid from them). megatron-core 0.19 reads both
+    (a common.pt first: serialization.py:200-237); 0.16 reads only common.pt."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    path = _relaid(source, tmp_path, where)
+    ckpt = open_checkpoint(path)
+    assert (ckpt.common_state is None) == (where == "common.pt")
+    real = open_checkpoint(source["full"]).common()
+    assert _same(ckpt.common(), real)
+    if where == "common.pt" or _installed_series() >= (0, 19):
+        assert _same(load_common_state_dict(path), real)
+    layout = _dst("tp1-dp4")[0]
+    want = load_checkpoint_ranks(source["full"], layout)
+    got = load_checkpoint_ranks(path, layout)
+    for rank in want:
+        assert not _diffs(got[rank], want[rank]), rank
+        assert int(got[rank][("step", "BufferSlot", -1, "step")]) == 1
+
+
+@pytest.mark.parametrize("where", ["common.pt", "common_state"])
+def test_refuses_a_bad_common_state(source: dict, tmp_path, where: str) -> None:
+    """A common state that would unpickle a class torch's weights_only loader does not allow
+    (nothing it names runs), that is missing, truncated or not what megatron saves: one line."""
+    marker = tmp_path / "ran"
+
+    class Hostile:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = _relaid(source, tmp_path, where)
+    if where == "common.pt":
+        torch.save({"optimizer": Hostile()}, os.path.join(path, "common.pt"))
+        _refused(path, match=f"common.pt refuses to unpickle {open.__module__}.open")
+        assert not marker.exists()
+        torch.save([{"optimizer": {}}], os.path.join(path, "common.pt"))
+        _refused(path, match="common.pt does not hold a dict")
+        os.remove(os.path.join(path, "common.pt"))
+        _refused(path, match="no common.pt")
+        return
+    _point_common_state(path, _saved([{"optimizer": Hostile()}]))
+    _refused(path, match=f"{COMMON_STATE} refuses to unpickle {open.__module__}.open")
+    assert not marker.exists()
+    _point_common_state(path, _saved({"optimizer": {}}))  # not megatron's one-element list
+    _refused(path, match=f"{COMMON_STATE} holds a dict, not [dict]")
+    _point_common_state(path, b"\0" * 64)
+    _refused(path, match=f"{COMMON_STATE} cannot be read")
+    ckpt = open_checkpoint(path)
+    os.truncate(os.path.join(path, ckpt.common_state.file),
+                ckpt.common_state.offset + ckpt.common_state.length - 1)
+    _refused(path, match=f"chunk file {ckpt.common_state.file} is truncated")
+    md = _raw_metadata(path)
+    del md.state_dict_metadata[COMMON_STATE]
+    _write_metadata(path, md)
+    _refused(path, match=f"no common.pt and no {COMMON_STATE} bytes entry in .metadata")
 
 
 def test_refuses_a_checkpoint_of_another_model(source: dict) -> None:

@@ -1,4 +1,7 @@
-"""Confirm the [inf] items of docs/megatron-layout.md against real megatron-core 0.16.1 on CPU.
+"""Confirm the [inf] items of docs/megatron-layout.md against real megatron-core on CPU.
+
+The installed one (0.16.1 on Python 3.11, 0.19.2 on 3.12); where the two versions differ (§3:
+EP=1 with ETP != TP) the test asserts each version's own behaviour.
 
 Each test builds real megatron objects (forked gloo workers, ``megatron_support.harness``; the
 extra measurements come from ``megatron_support.probes``) or calls megatron functions directly,
@@ -220,45 +223,98 @@ EP1_ETP4 = dict(num_layers=1, hidden_size=48, num_attention_heads=4, ffn_hidden_
                 moe_ffn_hidden_size=20, moe_router_topk=2, ep=1, etp=4)
 
 
-def test_ep1_etp_ne_tp_loses_expert_optimizer_state_and_mixes_slices():
-    """§3, 4 ranks, dp4, etp4, ep1: the expert weights (ETP slice = etp rank) sit in the dense
-    buffer, sharded over the dense DP group that spans all four slices. Of the 7680 global
-    expert-weight elements only 1920 have optimizer state on some rank (5760 have none), and the
-    dense-buffer reduce-scatter averages gradients of different slices (synthetic grads: slice
-    k contributes k+1; the owner gets (1+2+3+4)/4 = 2.5 instead of its own value)."""
-    facts = megatron_facts(dict(EP1_ETP4, probes=["expert_grad_reduce"]), 4)
+def _installed_series() -> tuple[int, int]:
+    from dynatrain.ir import versions
+
+    return versions.series_key(versions.normalize(pytest.importorskip("megatron.core")
+                                                  .__version__))
+
+
+EP1_ETP4_ENTRY = {"name": "ep1-etp4", "world": 4, "max_position_embeddings": 64, **EP1_ETP4}
+
+
+def test_ep1_etp_ne_tp_expert_optimizer_state():
+    """§3, 4 ranks, dp4, etp4, ep1, against the installed megatron-core.
+
+    0.16: the expert weights (ETP slice = etp rank) sit in the dense buffer, sharded over the
+    dense DP group that spans all four slices. Of the 7680 global expert-weight elements only
+    1920 have optimizer state on some rank (5760 have none), and the dense-buffer
+    reduce-scatter averages gradients of different slices (synthetic grads: slice k
+    contributes k+1; the owner gets (1+2+3+4)/4 = 2.5 instead of its own value).
+
+    0.19: expert params leave the dense buffer whenever ETP != TP (M19
+    tensor_parallel/layers.py:961-964, 1379-1383): each rank has an expert buffer sharded over
+    expert DP (one rank here), so all 7680 elements have optimizer state and each rank's
+    reduced gradient is its own slice's, (k+1)/4 with megatron's 1/dp gradient scaling
+    (M19 distributed/distributed_data_parallel.py:185-213). DynaTrain's IR of the same spec
+    equals megatron's facts on every rank."""
+    from matrix import to_harness_cfg
+
+    facts = megatron_facts(dict(to_harness_cfg(EP1_ETP4_ENTRY), probes=["expert_grad_reduce"]),
+                           4)
+    own_buffer = _installed_series() >= (0, 19)
     total, owned = 0, set()
     for f in facts:
         etp = f["coords"]["etp"]
         assert f["groups"]["dp"] == [0, 1, 2, 3] and f["groups"]["edp"] == [f["rank"]]
         assert sorted(f["groups"]["etp"]) == [0, 1, 2, 3]
         experts = [p for p in f["named_parameters"] if ".experts." in p["name"]]
-        assert experts and not any(p["is_expert"] for p in experts)  # dense buffer, not expert
-        assert [b["is_expert"] for b in f["buffers"]] == [False]
+        assert experts and all(p["is_expert"] == own_buffer for p in experts)
+        assert [b["is_expert"] for b in f["buffers"]] == ([False, True] if own_buffer
+                                                          else [False])
         total += sum(math.prod(p["shape"]) for p in experts)
         for o in f["optimizer"]:
             if ".experts." in o["param_name"]:
+                assert o["is_expert"] == own_buffer
                 owned.update((etp, o["param_name"], i) for i in range(*o["param"]))
     assert total == 7680
-    assert len(owned) == 1920 and total - len(owned) == 5760
-    reduced = [r for f in facts for r in f["probes"][0]]
+    reduced = [(f["coords"]["etp"], r) for f in facts for r in f["probes"][0]]
     assert reduced
-    for r in reduced:
-        assert r["reduced_values"] == [2.5] != [r["own_value"]]
+    if not own_buffer:
+        assert len(owned) == 1920 and total - len(owned) == 5760
+        for _, r in reduced:
+            assert r["reduced_values"] == [2.5] != [r["own_value"]]
+        return
+    assert len(owned) == total  # every expert element has optimizer state
+    for etp, r in reduced:
+        assert r["own_value"] == etp + 1 and r["reduced_values"] == [(etp + 1) / 4]
+    from dynatrain.ir.layout import Layout
+    from dynatrain.ir.loader import spec_from_dict
+    from matrix import to_spec_dict
+    from test_megatron_parity import compare_rank
+
+    layout = Layout(spec_from_dict(to_spec_dict(EP1_ETP4_ENTRY)))
+    diffs = [d for r in range(4) for d in compare_rank(layout, r, facts[r])]
+    assert not diffs, diffs[:4]
 
 
-def test_dynatrain_rejects_ep1_etp_ne_tp_with_distributed_optimizer():
+def test_dynatrain_rejects_ep1_etp_ne_tp_with_distributed_optimizer_on_0_16_only():
+    """The refusal protects 0.16 jobs (the state loss above); a 0.19 spec is accepted and laid
+    out with the experts in their own buffer; a spec without ``megatron_core`` means the
+    installed version, so it is refused exactly where the installed megatron loses the state."""
     from dynatrain.ir.errors import SpecError
+    from dynatrain.ir.layout import Layout
     from dynatrain.ir.loader import spec_from_dict
     from matrix import to_spec_dict
 
-    entry = {"name": "ep1-etp4", "world": 4, "max_position_embeddings": 64, **EP1_ETP4}
+    def spec(version: str | None, **kw):
+        doc = to_spec_dict(dict(EP1_ETP4_ENTRY, **kw))
+        return spec_from_dict(doc if version is None else dict(doc, megatron_core=version))
+
     with pytest.raises(SpecError) as ei:
-        spec_from_dict(to_spec_dict(entry))
+        spec("0.16.1")
     assert ei.value.field == "parallel.etp" and ei.value.value == 4
+    assert "0.16.1" in str(ei.value)
     # The same model is accepted with etp == tp, or without the distributed optimizer.
-    spec_from_dict(to_spec_dict(dict(entry, etp=1)))
-    spec_from_dict(to_spec_dict(dict(entry, use_distributed_optimizer=False)))
+    spec("0.16.1", etp=1)
+    spec("0.16.1", use_distributed_optimizer=False)
+    layout = Layout(spec("0.19.2"))
+    assert all(any(b.is_expert for b in layout.rank_buffers(r)) for r in range(4))
+    if _installed_series() == (0, 16):
+        with pytest.raises(SpecError):
+            spec(None)
+    else:
+        assert spec(None).megatron_core.startswith("0.19.")
 
 
 # ---------------------------------------------------------------------------------------------

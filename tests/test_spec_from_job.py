@@ -235,11 +235,41 @@ def test_transformer_engine_is_megatron_lm_default() -> None:
     ({"fp16": True}, "fp16: cannot be combined with bf16 (got True)"),
     ({"optimizer": "sgd"}, "optimizer: is not supported by DynaTrain yet (only adam's state is "
      "modelled) (got 'sgd')"),
+    # megatron-core 0.19's layout switches.
+    ({"tensor_parallel_num_weight_shards": 8}, "tensor_parallel_num_weight_shards: is not "
+     "supported by DynaTrain yet (generalized tensor parallelism: weights in more shards than "
+     "tensor_model_parallel_size=4) (got 8)"),
+    ({"expert_tensor_parallel_num_weight_shards": 2}, "expert_tensor_parallel_num_weight_shards:"
+     " is not supported by DynaTrain yet (generalized tensor parallelism: weights in more shards"
+     " than expert_tensor_parallel_size=1) (got 2)"),
+    ({"gtp_weight_remat_size": 2}, "gtp_weight_remat_size: is not supported by DynaTrain yet "
+     "(generalized tensor parallelism (weights sharded over TP x GTP)) (got 2)"),
+    ({"moe_mlp_glu_interleave_size": 32}, "moe_mlp_glu_interleave_size: is not supported by "
+     "DynaTrain yet (block-interleaved GLU rows in the experts' fc1) (got 32)"),
+    ({"moe_single_grouped_weight": True}, "moe_single_grouped_weight: is not supported by "
+     "DynaTrain yet (experts' weights as one grouped parameter) (got True)"),
+    ({"moe_router_load_balancing_type": ["aux_loss", "quantile_balancing"]},
+     "moe_router_load_balancing_type: is not supported by DynaTrain yet (quantile balancing: "
+     "its router bias qb_beta is state DynaTrain does not model) (got \"['aux_loss', "
+     "'quantile_balancing']\")"),
 ])
 def test_bad_values_name_the_argument(change, message) -> None:
     with pytest.raises(SpecError) as err:
         read_megatron({**QWEN235_ARGS, **change}, W32)
     assert str(err.value) == message
+
+
+def test_0_19_defaults_and_their_validated_values_are_accepted() -> None:
+    """validate_args resolves the GTP shard counts to the TP/ETP sizes (MT19 arguments.py:
+    1451-1472); those, and 0.19's other new names at their defaults, change nothing."""
+    plain = read_megatron(QWEN235_ARGS, W32)
+    same = read_megatron({**QWEN235_ARGS, "tensor_parallel_num_weight_shards": 4,
+                          "expert_tensor_parallel_num_weight_shards": 1,
+                          "gtp_weight_remat_size": 1, "expert_gtp_weight_remat_size": 1,
+                          "moe_router_load_balancing_type": "seq_aux_loss",
+                          "use_transformer_engine_op_fuser": True, "use_mup": True,
+                          "moe_mlp_glu_interleave_size": None}, W32)
+    assert same.spec == plain.spec and same.unknown == ()
 
 
 def test_unknown_names_are_reported_not_dropped() -> None:
@@ -311,6 +341,13 @@ def test_real_transformer_config_refusals_use_core_names() -> None:
     with pytest.raises(SpecError) as err:
         read_megatron(_core_config(), (8, 4))
     assert str(err.value).startswith("padded_vocab_size: is required")
+    if "tensor_parallel_num_weight_shards" in TransformerConfig.__dataclass_fields__:  # 0.19
+        cfg = _core_config(tensor_parallel_num_weight_shards=4)  # tp2 x gtp2
+        assert cfg.gtp_weight_remat_size == 2
+        with pytest.raises(SpecError) as err:
+            read_megatron(cfg, (8, 4), extra=extra)
+        assert str(err.value).startswith("tensor_parallel_num_weight_shards: is not supported "
+                                         "by DynaTrain yet (generalized tensor parallelism")
 
 
 def test_yaml_text_round_trips() -> None:

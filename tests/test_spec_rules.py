@@ -149,7 +149,10 @@ BROKEN = [
     ("moe-bias-needs-etp1", MOE,
      {"model.add_bias_linear": True, "parallel.tp": 2, "parallel.ep": 2},
      "parallel.etp", "add_bias_linear needs etp=1"),
-    ("ep1-etp-ne-tp-distributed-optimizer", MOE, {"parallel.tp": 2, "parallel.etp": 1},
+    # A 0.16 rule: 0.16 keeps these experts in the dense buffer and loses their optimizer
+    # state; 0.19 gives them an expert buffer (ALLOWED below).
+    ("ep1-etp-ne-tp-distributed-optimizer", MOE,
+     {"parallel.tp": 2, "parallel.etp": 1, "megatron_core": "0.16.1"},
      "parallel.etp", "etp != tp with ep=1"),
     ("ep1-cp-before-tp-distributed-optimizer", MOE,
      {"parallel.tp": 2, "parallel.cp": 2, "parallel.order": "cp-tp-ep-dp-pp"},
@@ -273,6 +276,8 @@ ALLOWED = [
     ("ep1-etp-ne-tp-without-distributed-optimizer", MOE,
      {"parallel.tp": 2, "parallel.etp": 1, "parallel.use_distributed_optimizer": False}),
     ("ep-gt-1-etp-ne-tp", MOE, {"parallel.tp": 2, "parallel.ep": 2, "parallel.etp": 1}),
+    ("ep1-etp-ne-tp-distributed-optimizer-0.19", MOE,
+     {"parallel.tp": 2, "parallel.etp": 1, "megatron_core": "0.19.2"}),
     ("order-not-pp-last-equal-dp", MOE,
      {"parallel.tp": 2, "parallel.pp": 2, "parallel.ep": 2, "parallel.etp": 1,
       "parallel.order": "tp-cp-ep-pp-dp", "world.nodes": 2}),

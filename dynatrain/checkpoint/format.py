@@ -1,22 +1,31 @@
 """A megatron-core ``torch_dist`` checkpoint directory, read without trusting its pickles.
 
-``dist_checkpointing.save`` (megatron-core 0.16.1, ``torch_dist`` backend) writes:
+``dist_checkpointing.save`` (``torch_dist`` backend) writes:
 
-* ``metadata.json``: ``{"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-  "common_backend": "torch", "common_backend_version": 1}``;
+* ``metadata.json``: ``{"sharded_backend": "torch_dist", "sharded_backend_version": 1}``, and
+  in megatron-core 0.16.x also ``"common_backend": "torch", "common_backend_version": 1``
+  (0.19.x dropped both fields with the ``common.pt`` file: megatron/core/dist_checkpointing/
+  core.py:22-34);
 * ``.metadata``: PyTorch DCP's pickled ``Metadata``: per checkpoint key its dtype, global shape
   and chunks (global offset and size of each saved shard), and per chunk where its bytes are
   (file, offset, length). It is read here by ``_MetadataUnpickler``, which builds only the
   classes that file really contains and refuses anything else by name;
 * ``__<rank>_<i>.distcp``: the chunks, each a ``torch.save`` of one tensor at its offset (read
   with ``torch.load(weights_only=True)``, a chunk at a time);
-* ``common.pt``: the non-sharded part (optimizer param groups, Adam's step), a ``torch.save``
-  of plain Python data, read with ``torch.load(weights_only=True)``.
+* the non-sharded part (optimizer param groups, Adam's step): plain Python data, read with
+  ``torch.load(weights_only=True)``. megatron-core 0.16.x ``torch.save``s it to ``common.pt``;
+  0.19.x saves it as one more ShardedObject, ``common_state`` of global shape (1,)
+  (dist_checkpointing/serialization.py:439-445), i.e. the ``.metadata`` bytes entry
+  ``common_state/shard_0_1`` whose bytes, in a chunk file like any ShardedObject's, are the
+  ``torch.save`` of the one-element list ``[common]`` (strategies/torch.py:316-320). 0.19.x
+  still reads a ``common.pt`` first when the directory has one (serialization.py:200-237), and
+  so does this reader.
 
 ``open_checkpoint`` checks all of it before anything is read into a destination: a directory
 that is missing, of an unknown format version, whose metadata does not unpickle under the
-allow-list, or whose chunk files are missing or shorter than the metadata says is refused with
-one ``CheckpointError`` line (exit status 2).
+allow-list, or whose chunk files are missing or shorter than the metadata says (the
+``common_state`` entry's file included) is refused with one ``CheckpointError`` line (exit
+status 2).
 """
 
 from __future__ import annotations
@@ -35,11 +44,16 @@ from ..ir.box import Box
 from ..ir.errors import DynatrainError
 
 FORMATS = {("torch_dist", 1)}  # (sharded_backend, sharded_backend_version) read here
-COMMON_FORMATS = {("torch", 1)}
+COMMON_FORMATS = {("torch", 1)}  # (common_backend, common_backend_version): common.pt
+COMMON_PT = "common.pt"
+# ShardedObject("common_state", None, (1,), (0,)).unique_key: where megatron-core >= 0.19 keeps
+# the common state (mapping.py:397-403, serialization.py:227).
+COMMON_STATE = "common_state/shard_0_1"
 
 _DCP = "torch.distributed.checkpoint"
 # Exactly the classes a torch_dist ``.metadata`` holds (torch 2.6-2.13: found by loading the
-# files megatron-core 0.16.1 writes with a recording unpickler), plus torch's dtypes.
+# files megatron-core 0.16.1 and 0.19.2 write with a recording unpickler; 0.19.2's use a subset
+# of these, its common_state entry being one more BytesStorageMetadata), plus torch's dtypes.
 _ALLOWED = {
     (f"{_DCP}.metadata", "Metadata"),
     (f"{_DCP}.metadata", "TensorStorageMetadata"),
@@ -85,6 +99,15 @@ class Chunk:
     length: int
 
 
+@dataclass(frozen=True, slots=True)
+class Blob:
+    """Where a bytes entry (a megatron ShardedObject) of the checkpoint lies."""
+
+    file: str
+    offset: int
+    length: int
+
+
 @dataclass(frozen=True)
 class CkptTensor:
     key: str
@@ -105,12 +128,19 @@ class Checkpoint:
     tensors: dict[str, CkptTensor]
     files: dict[str, int]  # chunk file -> size in bytes
     format: tuple[str, int]
+    common_state: Blob | None = None  # the common_state entry; None: common.pt holds it
     _common: dict | None = field(default=None, repr=False)
 
+    @property
+    def common_name(self) -> str:
+        """Where the common state is, for messages."""
+        return COMMON_PT if self.common_state is None else f"{COMMON_STATE} in .metadata"
+
     def common(self) -> dict:
-        """``common.pt`` (plain data: ``torch.load(weights_only=True)``), read once."""
+        """The non-sharded state (plain data: ``torch.load(weights_only=True)``), read once."""
         if self._common is None:
-            self._common = _read_common(self.path)
+            self._common = (_read_common(self.path) if self.common_state is None else
+                            _read_common_state(self.path, self.common_state))
         return self._common
 
     @property
@@ -134,9 +164,13 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise _fail(path, "no such directory")
-    fmt = _read_format(path)
+    fmt, common_pt = _read_format(path)
     md = _read_metadata(path)
     tensors, files = _index(path, md)
+    blob = None
+    if not common_pt:
+        blob = _common_state_entry(path, md)
+        files[blob.file] = max(files.get(blob.file, 0), blob.offset + blob.length)
     for name, need in files.items():
         full = os.path.join(path, name)
         if not os.path.isfile(full):
@@ -146,10 +180,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             raise _fail(path, f"chunk file {name} is truncated: {size} bytes, its chunks need "
                               f"{need}")
         files[name] = size
-    return Checkpoint(path, tensors, files, fmt)
+    return Checkpoint(path, tensors, files, fmt, blob)
 
 
-def _read_format(path: str) -> tuple[str, int]:
+def _read_format(path: str) -> tuple[tuple[str, int], bool]:
+    """(sharded format, whether the common state is ``common.pt``)."""
     meta = os.path.join(path, "metadata.json")
     if not os.path.isfile(meta):
         raise _fail(path, "no metadata.json (not a megatron dist checkpoint)")
@@ -164,11 +199,15 @@ def _read_format(path: str) -> tuple[str, int]:
     if fmt not in FORMATS:
         raise _fail(path, f"format {fmt[0]!r} version {fmt[1]!r} is not one DynaTrain reads "
                           f"(it reads {', '.join(f'{b} version {v}' for b, v in FORMATS)})")
+    if "common_backend" not in doc and "common_backend_version" not in doc:
+        # megatron-core >= 0.19: no common backend; the common state is the common_state entry,
+        # unless a legacy common.pt is there, which megatron reads first (serialization.py:224).
+        return fmt, os.path.isfile(os.path.join(path, COMMON_PT))  # type: ignore[return-value]
     common = (doc.get("common_backend"), doc.get("common_backend_version"))
     if common not in COMMON_FORMATS:
         raise _fail(path, f"common format {common[0]!r} version {common[1]!r} is not one "
                           "DynaTrain reads (it reads torch version 1)")
-    return fmt  # type: ignore[return-value]
+    return fmt, True  # type: ignore[return-value]
 
 
 def _read_metadata(path: str):
@@ -249,21 +288,64 @@ def _index(path: str, md) -> tuple[dict[str, CkptTensor], dict[str, int]]:
     return tensors, files
 
 
-def _read_common(path: str) -> dict:
-    full = os.path.join(path, "common.pt")
-    if not os.path.isfile(full):
-        raise _fail(path, "no common.pt (the checkpoint was not finished)")
+def _common_state_entry(path: str, md) -> Blob:
+    """Where megatron-core >= 0.19 put the common state: the ``common_state`` bytes entry."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    if not isinstance(md.state_dict_metadata.get(COMMON_STATE), BytesStorageMetadata):
+        raise _fail(path, f"no common.pt and no {COMMON_STATE} bytes entry in .metadata "
+                          "(megatron-core 0.16 writes the one, 0.19 the other)")
+    found = [info for idx, info in md.storage_data.items() if idx.fqn == COMMON_STATE]
+    if len(found) != 1 or not isinstance(found[0], _StorageInfo):
+        raise _fail(path, f"{COMMON_STATE} has {len(found)} storage entries, not one")
+    info = found[0]
+    name = info.relative_path
+    if not isinstance(name, str) or not _CHUNK_FILE.match(name):
+        raise _fail(path, f"{COMMON_STATE}: file name {name!r} is not __<rank>_<i>.distcp")
+    if getattr(info, "transform_descriptors", None):  # torch >= 2.7 only
+        raise _fail(path, f"{COMMON_STATE} stored with transforms "
+                          f"{list(info.transform_descriptors)} (DynaTrain reads plain bytes)")
+    if info.offset < 0 or info.length <= 0:
+        raise _fail(path, f"{COMMON_STATE} has a bad byte range")
+    return Blob(name, int(info.offset), int(info.length))
+
+
+def _load_plain(path: str, what: str, source) -> object:
+    """``torch.load(weights_only=True)`` of ``source``; a refusal or broken bytes is one line."""
     try:
-        common = torch.load(full, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch's allow-list refusal or a broken file
         text = str(err)
         m = re.search(r"GLOBAL ([\w.]+)", text)
-        what = (f"refuses to unpickle {m.group(1)}" if m else
-                f"cannot be read ({type(err).__name__})")
-        raise _fail(path, f"common.pt {what}") from None
+        why = (f"refuses to unpickle {m.group(1)}" if m else
+               f"cannot be read ({type(err).__name__})")
+        raise _fail(path, f"{what} {why}") from None
+
+
+def _read_common(path: str) -> dict:
+    full = os.path.join(path, COMMON_PT)
+    if not os.path.isfile(full):
+        raise _fail(path, "no common.pt (the checkpoint was not finished)")
+    common = _load_plain(path, COMMON_PT, full)
     if not isinstance(common, dict):
         raise _fail(path, "common.pt does not hold a dict")
     return common
+
+
+def _read_common_state(path: str, blob: Blob) -> dict:
+    """megatron-core >= 0.19's common state: ``[common]`` saved as the common_state entry."""
+    with open(os.path.join(path, blob.file), "rb") as f:
+        f.seek(blob.offset)
+        data = f.read(blob.length)
+    if len(data) != blob.length:
+        raise _fail(path, f"chunk file {blob.file} is truncated at {COMMON_STATE}")
+    held = _load_plain(path, COMMON_STATE, io.BytesIO(data))
+    # One ShardedObject's data in a list (strategies/torch.py:320); megatron takes [0].
+    if not (isinstance(held, list) and len(held) == 1 and isinstance(held[0], dict)):
+        raise _fail(path, f"{COMMON_STATE} holds a {type(held).__name__}, not [dict] as "
+                          "megatron saves it")
+    return held[0]
 
 
 def read_chunk(ckpt: Checkpoint, key: str, chunk: Chunk) -> torch.Tensor:

@@ -5,7 +5,8 @@ megatron's ``sharded_state_dict`` one to one): checkpoint key ``K`` is the logic
 ``(K, param)`` (or ``(K, buffer)`` for the router's expert_bias), ``optimizer.state.param.K``
 (``fp32_param`` without the distributed optimizer) its ``main_param``, and
 ``optimizer.state.exp_avg[_sq].K`` its Adam moments (the ``fully_reshardable`` optimizer format);
-Adam's step comes from ``common.pt``. So a load is a plan whose source is the checkpoint's
+Adam's step comes from the common state (``common.pt``, or in megatron-core 0.19 the
+``common_state`` entry: ``format.py``). So a load is a plan whose source is the checkpoint's
 chunks: every region a destination rank holds is cut by the chunks of its key, and each chunk
 that some destination needs is read once (``torch.load(weights_only=True)`` of its bytes) and
 copied into every destination region it meets, in parallel threads whose chunks in flight stay
@@ -207,7 +208,7 @@ def match(ckpt: Checkpoint, layout: Layout) -> StateView:
 
 
 def read_step(ckpt: Checkpoint) -> int:
-    """Adam's step from ``common.pt`` (param groups' ``step``, or ``common_step``); 0 when the
+    """Adam's step from the common state (param groups' ``step``, or ``common_step``); 0 when the
     optimizer has not stepped yet.
 
     Raises:
@@ -228,7 +229,7 @@ def read_step(ckpt: Checkpoint) -> int:
 
     walk(ckpt.common().get("optimizer", {}))
     if len(found) > 1 or any(s != int(s) or s < 0 for s in found):
-        raise CheckpointError(f"checkpoint {ckpt.path}: common.pt records Adam steps "
+        raise CheckpointError(f"checkpoint {ckpt.path}: {ckpt.common_name} records Adam steps "
                               f"{sorted(found)}, not one whole number")
     return int(found.pop()) if found else 0
 
@@ -276,7 +277,7 @@ def _wanted(only) -> dict[tuple[str, str], list[Box]] | None:
 def plan_load(ckpt: Checkpoint | str | os.PathLike[str], layout: Layout,
               ranks: list[int] | tuple[int, ...] | None = None, *, only=None) -> CheckpointLoad:
     """Plan loading ``ckpt`` into ``ranks`` of ``layout`` (all by default); nothing is read but
-    metadata (and ``common.pt`` when the destination holds Adam's step).
+    metadata (and the common state when the destination holds Adam's step).
 
     ``only``: load just these parts of the state (what was lost when devices failed): a
     ``planner.lost.LostState`` or (key, kind, ``Box``) triples in logical coordinates. Then

@@ -5,7 +5,8 @@
 * Megatron-LM's parsed ``args`` (an ``argparse.Namespace``, or a mapping such as the JSON of
   ``vars(args)``) in its CLI names (``num_experts``, ``group_query_attention``,
   ``padded_vocab_size``, ...). A name missing from the mapping takes Megatron-LM's default
-  (core_v0.16.1 ``megatron/training/arguments.py``), and the values ``validate_args`` derives
+  (core_v0.16.1 ``megatron/training/arguments.py``; 0.19.2 keeps these defaults), and the values
+  ``validate_args`` derives
   (``ffn_hidden_size`` for SwiGLU, the virtual pipeline size, ETP = TP) are derived the same way.
 * megatron-core's ``TransformerConfig`` and, optionally, ``DistributedDataParallelConfig`` of a
   running job, read by duck typing (``ir`` imports no megatron). A config has no vocabulary or
@@ -59,6 +60,11 @@ _DEFAULTS: dict[str, Any] = dict(
     pipeline_model_parallel_layout=None, ddp_pad_buckets_for_high_nccl_busbw=False,
     # Megatron-LM builds Transformer Engine layers unless told otherwise (arguments.py).
     transformer_impl="transformer_engine", moe_grouped_gemm=False,
+    # Checked (``_refuse_unsupported``), not read into the spec. 0.19: generalized TP's shard
+    # counts (None or the TP/ETP size means no GTP; validate_args resolves None to that size).
+    tensor_parallel_num_weight_shards=None, expert_tensor_parallel_num_weight_shards=None,
+    # 0.19 adds "quantile_balancing", whose router keeps a persistent per-expert bias.
+    moe_router_load_balancing_type="aux_loss",
 )
 MAPPED = frozenset(_DEFAULTS)
 
@@ -102,12 +108,27 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "ddp_num_buckets": ((None,), "a bucket count (its size depends on each rank's "
                         "parameters); give ddp_bucket_size"),
     "optimizer_cpu_offload": ((False,), "optimizer state offloaded to the CPU"),
+    # ---- megatron-core 0.19 ----
+    # Generalized TP: weights sharded over TP x GTP_remat (M19 model_parallel_config.py:58-75,
+    # 135-152; tensor_parallel/generalized_tensor_parallelism.py:1-17).
+    "gtp_weight_remat_size": ((1,), "generalized tensor parallelism (weights sharded over "
+                              "TP x GTP)"),
+    "expert_gtp_weight_remat_size": ((1,), "generalized tensor parallelism for experts"),
+    # Experts' fc1 rows stored in alternating gate/up blocks: the non-fused path de-interleaves
+    # fc1's output (M19 transformer/moe/experts.py:719-726, 809-821), so the rows are not
+    # [gate_r; up_r] as DynaTrain (and the checkpoint's SwiGLU split) lays them out.
+    "moe_mlp_glu_interleave_size": ((None,), "block-interleaved GLU rows in the experts' fc1"),
+    # All experts' weights (biases) as one TE GroupedTensor parameter (M19
+    # transformer_config.py:835-845; te-and-versions.md §1).
+    "moe_single_grouped_weight": ((False,), "experts' weights as one grouped parameter"),
+    "moe_single_grouped_bias": ((False,), "experts' biases as one grouped parameter"),
+    "fp4_param_gather": ((False,), "fp4 parameters"),  # NVFP4 params in uint8 buffers
 }
 
 # No effect on where parameters and optimizer state live (checked name by name against
 # core_v0.16.1's Megatron-LM arguments, TransformerConfig and DistributedDataParallelConfig).
 # Some only matter together with an UNSUPPORTED switch that is refused (fp8_recipe, q_lora_rank).
-IGNORED = frozenset("""
+_IGNORED_16 = """
 _cpu_offloading_context accumulate_allreduce_grads_in_fp32 activation_func_clamp_value
 activation_func_fp8_input_store adam_beta1 adam_beta2 adam_eps add_position_embedding
 adlr_autoresume adlr_autoresume_interval align_grad_reduce align_param_gather
@@ -204,7 +225,7 @@ moe_enable_deepep moe_enable_routing_replay moe_expert_capacity_factor
 moe_flex_dispatcher_backend moe_hybridep_num_sms moe_input_jitter_eps moe_layer_recompute
 moe_pad_expert_input_to_capacity moe_pad_experts_for_cuda_graph_inference moe_per_layer_logging
 moe_permute_fusion moe_router_bias_update_rate moe_router_dtype moe_router_force_load_balancing
-moe_router_fusion moe_router_group_topk moe_router_load_balancing_type moe_router_num_groups
+moe_router_fusion moe_router_group_topk moe_router_num_groups
 moe_router_padding_for_fp8 moe_router_padding_for_quantization moe_router_pre_softmax
 moe_router_topk_limited_devices moe_router_topk_scaling_factor moe_shared_expert_overlap
 moe_token_dispatcher_type moe_token_drop_policy moe_token_dropping moe_upcycling_granularity
@@ -268,7 +289,68 @@ use_torch_optimizer_for_cpu_offload v_head_dim valid_data_path variable_seq_leng
 vision_backbone_type vision_pretraining vision_pretraining_type vocab_extra_ids vocab_file
 wandb_entity wandb_exp_name wandb_project wandb_save_dir warmup weight_decay
 weight_decay_incr_style wgrad_deferral_limit window_attn_skip_freq window_size yaml_cfg
-""".split())
+"""
+# megatron-core 0.19.2's new TransformerConfig and DistributedDataParallelConfig fields that
+# leave the layout alone, by why (M19 = megatron/core 0.19.2, read field by field).
+_IGNORED_19 = {
+    # Activation memory and recompute: offloading, paged stashing of expert activations,
+    # CUDA-graph capture, MLP chunks along the sequence (M19 transformer_config.py:1047,
+    # 1204-1290; transformer_layer.py:872-907).
+    "activation memory": """
+        activation_offload_fraction cpu_offloading_retain_pinned_cpu_buffers cuda_graph_modules
+        delay_offload_until_cuda_graph delta_offload_bytes_across_pp_ranks
+        fine_grained_offloading_max_inflight_offloads moe_paged_stash moe_paged_stash_page_size
+        moe_paged_stash_buffer_size_factor_cuda moe_paged_stash_buffer_size_factor_cpu
+        mlp_chunks_for_training""",
+    # Kernels over the modules' own parameters: TE op-fuser ops are built from the existing
+    # weights and kept outside the module tree (M19 extensions/transformer_engine.py:2722-2800,
+    # 3036-3139; transformer/moe/experts.py:402-433; moe/shared_experts.py:457-490: there the
+    # GLU interleave is a flag on the op, the stored weights stay [gate; up]); the fused
+    # residual RMSNorm keeps TE RMSNorm's parameters (extensions/transformer_engine.py:630-660).
+    "kernels": """
+        flash_attention_version fused_residual_rmsnorm use_transformer_engine_op_fuser
+        use_grouped_gemm_for_dense_mlp use_grouped_gemm_for_shared_expert
+        moe_shared_expert_glu_interleave_size high_priority_a2a_comm_stream
+        overlap_dispatch_backward_with_experts_wgrad""",
+    # Loss and learning-rate scaling: gradient-scale hooks; MuP (init, per-group LR/eps,
+    # embedding and logit multipliers: optimizer/__init__.py:131-250,
+    # models/common/language_module/language_module.py:230-340); quantile balancing's EMA
+    # (that routing is refused: moe_router_load_balancing_type); the benchmark-only forced
+    # router bias (a module-level cache, not state: moe/router.py:860-864, moe_utils.py:1250).
+    "scaling": """
+        moe_grad_scale_func mtp_grad_scale_func experimental_attention_variant_loss_scale_func
+        use_mup mup_width_mult mup_base_hidden_size mup_embedding_mult mup_output_mult
+        mup_base_head_dim mup_attn_scale_power moe_router_quantile_balancing_ema
+        moe_router_force_biased""",
+    "token dispatch": """
+        moe_permute_fusion_into_hybridep moe_hybridep_pad_uneven_dispatch_inputs
+        moe_flex_dispatcher_num_sms moe_hybridep_num_blocks_permute
+        moe_hybridep_num_blocks_unpermute moe_hybridep_num_sms_preprocessing
+        moe_ncclep_static_shape moe_ncclep_zero_copy moe_expert_rank_capacity_factor""",
+    "inference": """
+        inference_cuda_graph_scope inference_disable_triton_nvls_kernels
+        inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels
+        inference_moe_token_dispatcher_type""",
+    # Only with features refused elsewhere: MTP (mtp_num_layers), DSA
+    # (experimental_attention_variant), Mamba (is_hybrid_model), the mxfp8 LM head (fp8).
+    "refused features": """
+        mtp_use_repeated_layer mtp_detach_heads mtp_hybrid_override_pattern
+        dsa_indexer_topk_freq dsa_indexer_skip_topk_offset dsa_kernel_backend
+        dsa_indexer_rope_interleaved dsa_indexer_rotate_activation dsa_indexer_scoring_relu
+        dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32 mamba_training_ssm_states_dtype
+        fp8_output_proj""",
+    # DDP: fp32 copies of some main grads beside unchanged buffers
+    # (distributed/param_and_grad_buffer.py:1363-1382); Megatron FSDP's options (FSDP refused).
+    "ddp": """
+        param_name_patterns_for_fp32_local_accumulation fsdp_db_use_persist_buf_on_alloc_fail
+        fsdp_all_gather_in_start_param_sync megatron_fsdp_main_params_dtype
+        megatron_fsdp_main_grads_dtype megatron_fsdp_grad_comm_dtype
+        megatron_fsdp_use_decoupled_grad megatron_fsdp_cuda_graph_mode
+        megatron_fsdp_enable_fine_grained_param_gather megatron_fsdp_max_pool_double_buffer""",
+}
+# (moe_router_load_balancing_type, ignored for 0.16, is checked since 0.19's quantile
+# balancing: _DEFAULTS.)
+IGNORED = frozenset(_IGNORED_16.split()).union(*(names.split() for names in _IGNORED_19.values()))
 
 # megatron-core config fields named differently from Megatron-LM's arguments.
 _CORE_NAMES = {
@@ -279,6 +361,7 @@ _CORE_NAMES = {
 }
 _DDP_NAMES = {
     "bucket_size": "ddp_bucket_size",
+    "num_buckets": "ddp_num_buckets",  # megatron-core 0.19's DDP config field
     "pad_buckets_for_high_nccl_busbw": "ddp_pad_buckets_for_high_nccl_busbw",
 }
 _DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16",
@@ -418,6 +501,15 @@ def _from_core(config: Any, ddp_config: Any) -> tuple[dict[str, Any], dict[str, 
 
 
 def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:
+    # The user-facing GTP knobs first: a config derives gtp_weight_remat_size from them.
+    for shards, size_arg in (("tensor_parallel_num_weight_shards", "tensor_model_parallel_size"),
+                             ("expert_tensor_parallel_num_weight_shards",
+                              "expert_tensor_parallel_size")):
+        size = a[size_arg] if a[size_arg] is not None else a["tensor_model_parallel_size"]
+        if a[shards] is not None and a[shards] != size:
+            raise SpecError(label(shards), "is not supported by DynaTrain yet (generalized "
+                            f"tensor parallelism: weights in more shards than {size_arg}="
+                            f"{size})", _plain(a[shards]))
     for arg, (accepted, what) in UNSUPPORTED.items():
         value = a.get(arg, accepted[0])
         if not any(value is ok or (type(value) is type(ok) and value == ok) for ok in accepted):
@@ -426,6 +518,13 @@ def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:
     if a["add_qkv_bias"] and not a["add_bias_linear"]:
         raise SpecError(label("add_qkv_bias"), "is not supported by DynaTrain yet (QKV biases "
                         "without add_bias_linear)", True)
+    balancing = a["moe_router_load_balancing_type"]
+    if "quantile_balancing" in (balancing if isinstance(balancing, (list, tuple))
+                                else (balancing,)):
+        # M19 transformer/moe/router.py:220-253: a persistent per-expert bias qb_beta.
+        raise SpecError(label("moe_router_load_balancing_type"), "is not supported by "
+                        "DynaTrain yet (quantile balancing: its router bias qb_beta is state "
+                        "DynaTrain does not model)", _plain(balancing))
     if a["optimizer"] != "adam":
         raise SpecError("optimizer", "is not supported by DynaTrain yet (only adam's state is "
                         "modelled)", a["optimizer"])

@@ -164,6 +164,10 @@ def test_moe_layer_freq_pattern_string() -> None:
     ("moe_use_legacy_grouped_gemm", True),
     ("fp8", "hybrid"),
     ("multi_latent_attention", True),
+    # megatron-core 0.19 / Megatron-LM 0.19 names that change the layout.
+    ("hybrid_layer_pattern", "M*-M*-"),
+    ("freeze_all_layers", True),
+    ("use_layer_wise_distributed_optimizer", True),
 ])
 def test_unsupported_arguments_refused_in_one_line(arg, value) -> None:
     with pytest.raises(SpecError) as err:

@@ -95,6 +95,14 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "quick_geglu": ((False,), "quick-GeGLU (only SwiGLU gating is modelled)"),
     "is_hybrid_model": ((False,), "hybrid (Mamba) models"),
     "hybrid_override_pattern": ((None, ""), "hybrid (Mamba) models"),
+    # 0.19's name for it (MT19 arguments.py:719-727).
+    "hybrid_layer_pattern": ((None, ""), "hybrid (Mamba) models"),
+    # requires_grad_(False) on every module (MT19 training.py:1778-1784): frozen parameters
+    # get no gradient buffer, so the DDP buffers and optimizer ranges differ.
+    "freeze_all_layers": ((False,), "frozen layers (no DDP buffers for their parameters)"),
+    # Separate buffers per optimizer owner (M19 param_and_grad_buffer.py:919-933); set by
+    # validate_args for non-Adam optimizers (MT19 arguments.py:1669-1681), refused anyway.
+    "use_layer_wise_distributed_optimizer": ((False,), "the layer-wise distributed optimizer"),
     "hybrid_attention_ratio": ((0, 0.0), "hybrid (Mamba) models"),
     "hybrid_mlp_ratio": ((0, 0.0), "hybrid (Mamba) models"),
     "decoder_num_layers": ((None,), "encoder-decoder models"),

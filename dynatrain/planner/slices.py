@@ -112,10 +112,11 @@ class _Side:
                 for k, v in leads.items()}
         return hit
 
-    def _may_hold(self, model: Model, sets: dict[str, "_BoxSet"]) -> bool:
-        """Whether ``model``'s parameters may overlap ``sets``, judged by keys and leading
-        indices alone (never False where they do: ``params_of`` then decides)."""
-        leads = self._leads(model[0], model[2])
+    def _may_hold(self, stage: tuple[int, int], sets: dict[str, "_BoxSet"]) -> bool:
+        """Whether the parameters of classes of ``stage`` (pp, ep) may overlap ``sets``, judged
+        by keys and leading indices alone (never False where they do: ``params_of`` then
+        decides)."""
+        leads = self._leads(*stage)
         for key, boxes in sets.items():
             if key in leads and (leads[key] is None or boxes.meets_leads(leads[key])):
                 return True
@@ -129,8 +130,13 @@ class _Side:
         shard_ranks: set[int] = set()
         # Every rank holds the step: ``index`` lists its holders without visiting classes.
         sets = {k: _BoxSet(v) for k, v in wanted.items() if v and k != STEP_KEY}
+        may: dict[tuple[int, int], bool] = {}  # by (pp, ep): the filter looks at no more
         for model in self.classes:
-            if not self._may_hold(model, sets):
+            stage = (model[0], model[2])
+            ok = may.get(stage)
+            if ok is None:
+                ok = may[stage] = self._may_hold(stage, sets)
+            if not ok:
                 continue
             hit = False
             for s in self.params_of(model):

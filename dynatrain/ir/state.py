@@ -315,7 +315,6 @@ class StateView:
     def _compute_buffer_stored(self, model: tuple[int, int, int, int], bi: int,
                                buf: BufferLayout, opt_rank: int) -> tuple[Stored, ...]:
         L = self.layout
-        V = self.vocab_rows
         opt_kinds = tuple(k for k in self.kinds if k != "param")
         by_name = {sh.param.name: sh for cs in L._shards(*model) if cs.chunk.vp == buf.chunk
                    for sh in cs.shards}

@@ -35,7 +35,7 @@ def grid(layout: Layout) -> str:
 
 def summary_lines(switch: PlannedSwitch, biggest: int = 5) -> list[str]:
     """The summary, line by line."""
-    plan, src, dst, topo = switch.plan, switch.src, switch.dst, switch.topology
+    plan, src, dst = switch.plan, switch.src, switch.dst
     st = plan.stats
     local_copies = sum(1 for m in plan.messages() if m.local)
     new = len(set(dst.devices) - set(src.devices))

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..distributed import get_distributed_world_size
 from ..fp8 import FP8GlobalStateManager
 from ..utils import get_default_init_method
 
@@ -67,6 +68,17 @@ class TransformerEngineBaseModule(torch.nn.Module):
         """base.py:1503-1514."""
         self.fast_setattr("tp_group", tp_group)
         self.fast_setattr("tp_group_initialized", True)
+
+    def _init_tp(self, tp_group, tp_size: int) -> None:
+        """The TP size and group as every TE linear's constructor sets them (linear.py:
+        1608-1625, layernorm_linear.py and grouped_linear.py alike)."""
+        if tp_group is None:
+            self.tp_size = tp_size
+            if tp_size == 1:
+                self.set_tensor_parallel_group(tp_group)
+        else:
+            self.tp_size = get_distributed_world_size(tp_group)
+            self.set_tensor_parallel_group(tp_group)
 
     def set_nccl_overlap_warning_if_tp(self) -> None:
         """No userbuffer overlap exists here; nothing to warn about."""

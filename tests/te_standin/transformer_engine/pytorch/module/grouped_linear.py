@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..distributed import get_distributed_world_size
 from ..utils import divide, get_default_init_method, init_method_constant
 from ._gemm import GEMM_PARALLEL_MODES
 from .base import TransformerEngineBaseModule
@@ -49,13 +48,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.init_method = init_method
         self.get_rng_state_tracker = get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
-        if tp_group is None:
-            self.tp_size = tp_size
-            if tp_size == 1:
-                self.set_tensor_parallel_group(tp_group)
-        else:
-            self.tp_size = get_distributed_world_size(tp_group)
-            self.set_tensor_parallel_group(tp_group)
+        self._init_tp(tp_group, tp_size)
         if self.tp_size > 1 and bias:
             raise ValueError("GroupedLinear doesn't support bias when TP > 1. Because the TP "
                              "communication is handled outside of this module.")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..distributed import get_distributed_world_size, set_tensor_model_parallel_attributes
+from ..distributed import set_tensor_model_parallel_attributes
 from ..utils import divide, get_default_init_method, init_method_constant
 from ._gemm import GEMM_PARALLEL_MODES, norm, parallel_gemm
 from .base import TransformerEngineBaseModule
@@ -51,13 +51,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.zero_centered_gamma = zero_centered_gamma
         self.get_rng_state_tracker = get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
-        if tp_group is None:
-            self.tp_size = tp_size
-            if tp_size == 1:
-                self.set_tensor_parallel_group(tp_group)
-        else:
-            self.tp_size = get_distributed_world_size(tp_group)
-            self.set_tensor_parallel_group(tp_group)
+        self._init_tp(tp_group, tp_size)
         self.parallel_mode = parallel_mode
         assert self.parallel_mode in GEMM_PARALLEL_MODES, \
             f"parallel_mode {parallel_mode} not supported"

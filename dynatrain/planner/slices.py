@@ -43,7 +43,7 @@ from ..ir.slots import flat_index, members
 from ..ir.state import STEP_KEY, StateView, Stored, transition_views
 from .intersect import Answer, Holders, PlanError, _answer, _Index
 from .plan import Plan, Transfer
-from .sources import (CandidateCache, elem_bytes_of, node_of, part_offset, part_transfers,
+from .sources import (CandidateCache, ElemBytes, node_of, part_offset, part_transfers,
                       remote_pieces)
 from .spread import Agree, Pair, agree_spread, canonical, rounds_of
 
@@ -309,7 +309,7 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
     src_nodes = [node_of(d) for d in src.devices]
     cands = CandidateCache(src_nodes)
     rank_on_device = {d: r for r, d in enumerate(src.devices)}
-    ebytes: dict[tuple[str, tuple[str, ...]], int] = {}
+    ebytes = ElemBytes(dtypes)
     opt = set(dv.kinds) - {"param"}  # what optimizer shards hold
 
     def receives(dst_rank: int, entries: tuple[Stored, ...], index) -> list[Transfer]:
@@ -319,7 +319,7 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
         out: list[Transfer] = []
         for ans in _answer(entries, index, group_of, dst_rank, derived):
             out.extend(_transfers(ans, dst_rank, here, node_of(dev), replica_of(dst_rank),
-                                  cands, dtypes, ebytes))
+                                  cands, ebytes))
         return out
 
     recv: list[Transfer] = []
@@ -364,7 +364,7 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
                 sends.extend(t for t in receives(ranks[0], entries, index) if t.src_rank == s)
             elif ranks:
                 answers = _answer(entries, index, group_of, ranks[0], derived)
-                sends.extend(taker.sends(answers, ranks, cands, dtypes, ebytes))
+                sends.extend(taker.sends(answers, ranks, cands, ebytes))
     return recv, sends
 
 
@@ -404,8 +404,8 @@ class _Takers:
         self.replica_of = replica_of
         self.replicas = replicas  # every destination rank's replica_of, at once
 
-    def sends(self, answers, ranks: list[int], cands: CandidateCache, dtypes: dict,
-              ebytes: dict) -> list[Transfer]:
+    def sends(self, answers, ranks: list[int], cands: CandidateCache,
+              ebytes: ElemBytes) -> list[Transfer]:
         dst, s = self.dst, self.s
         by_replica = dict(zip(self.replicas[ranks].tolist(), ranks))
         if len(by_replica) != len(ranks):  # not one rank per replica: pick for each
@@ -416,9 +416,7 @@ class _Takers:
         out: list[Transfer] = []
         for ans in answers:
             e = ans.entry
-            eb = ebytes.get((e.key, ans.kinds))
-            if eb is None:
-                eb = ebytes[(e.key, ans.kinds)] = elem_bytes_of(dtypes, e.key, ans.kinds)
+            eb = ebytes(e.key, ans.kinds)
             for box, holders in ans.parts:
                 c = cands(holders)
                 if s not in c.members:
@@ -446,11 +444,9 @@ class _Takers:
 
 
 def _transfers(ans: Answer, dst_rank: int, here: int, dst_node: str, replica: int,
-               cands: CandidateCache, dtypes: dict, ebytes: dict) -> list[Transfer]:
+               cands: CandidateCache, ebytes: ElemBytes) -> list[Transfer]:
     e = ans.entry
-    eb = ebytes.get((e.key, ans.kinds))
-    if eb is None:
-        eb = ebytes[(e.key, ans.kinds)] = elem_bytes_of(dtypes, e.key, ans.kinds)
+    eb = ebytes(e.key, ans.kinds)
     out: list[Transfer] = []
     for box, holders in ans.parts:
         out.extend(part_transfers(e.key, ans.kinds, box, box.numel * eb, cands(holders),

@@ -135,6 +135,20 @@ def elem_bytes_of(dtypes: dict[tuple[str, str], str], key: str, kinds: tuple[str
     return sum(DTYPE_BYTES.get(dtypes[(key, k)], 8) for k in kinds)
 
 
+class ElemBytes:
+    """``elem_bytes_of`` memoized per (key, kinds): asked once per part on hot paths."""
+
+    def __init__(self, dtypes: dict[tuple[str, str], str]) -> None:
+        self.dtypes = dtypes
+        self.memo: dict[tuple[str, tuple[str, ...]], int] = {}
+
+    def __call__(self, key: str, kinds: tuple[str, ...]) -> int:
+        eb = self.memo.get((key, kinds))
+        if eb is None:
+            eb = self.memo[(key, kinds)] = elem_bytes_of(self.dtypes, key, kinds)
+        return eb
+
+
 def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices: tuple[str, ...],
                  dtypes: dict[tuple[str, str], str],
                  replica_of: Callable[[int], int] = lambda r: 0) -> tuple[list[Transfer], int]:
@@ -146,7 +160,7 @@ def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices:
     """
     rank_on_device = {d: r for r, d in enumerate(src_devices)}
     cands = CandidateCache([node_of(d) for d in src_devices])
-    elem_bytes: dict[tuple[str, tuple[str, ...]], int] = {}
+    elem_bytes = ElemBytes(dtypes)
     out: list[Transfer] = []
     remote = 0
     for dst_rank, dst_dev in enumerate(dst_devices):
@@ -155,9 +169,7 @@ def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices:
         replica = replica_of(dst_rank)
         for ans in inter.answers(dst_rank):
             e = ans.entry
-            eb = elem_bytes.get((e.key, ans.kinds))
-            if eb is None:
-                eb = elem_bytes[(e.key, ans.kinds)] = elem_bytes_of(dtypes, e.key, ans.kinds)
+            eb = elem_bytes(e.key, ans.kinds)
             for box, holders in ans.parts:
                 c = cands(holders)
                 ts = part_transfers(e.key, ans.kinds, box, box.numel * eb, c, dst_rank, here,

@@ -13,7 +13,6 @@ import math
 
 import torch
 
-from ..distributed import get_distributed_world_size
 from ..module.base import TransformerEngineBaseModule
 
 _MASKS = ("no_mask", "causal", "padding", "padding_causal", "arbitrary")
@@ -41,13 +40,7 @@ class DotProductAttention(TransformerEngineBaseModule):
         attn_mask_type = attn_mask_type.replace(",", "_")
         self.attn_mask_type = ("padding_causal" if attn_mask_type == "causal_padding"
                                else attn_mask_type)
-        if tp_group is None:
-            self.tp_size = tp_size
-            if tp_size == 1:
-                self.set_tensor_parallel_group(tp_group)
-        else:
-            self.tp_size = get_distributed_world_size(tp_group)
-            self.set_tensor_parallel_group(tp_group)
+        self._init_tp(tp_group, tp_size)
         self.get_rng_state_tracker = get_rng_state_tracker
         self.num_attention_heads = num_attention_heads
         self.layer_number = 1 if layer_number is None else layer_number

@@ -22,7 +22,7 @@ from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import load_spec
 from dynatrain.planner.plan import Message, Plan, Round, message_order
 from dynatrain.planner.pipeline import plan_transition
-from dynatrain.planner.slices import plan_slice
+from dynatrain.planner.slices import _stage_leads, plan_slice, stage_leads_exact
 from dynatrain.verify.slice import verify_slice
 
 from strategies import Transition, transitions
@@ -165,3 +165,30 @@ def test_slice_arguments_are_checked() -> None:
         plan_slice(src, dst, 1 << 20, "node0:gpu0")
     with pytest.raises(DynatrainError, match="in neither layout"):
         plan_slice(src, dst, 1 << 20, "node9:gpu0", spread=(1, 1))
+
+
+def _same_leads(layout: Layout) -> None:
+    for pp in range(layout.parallel.pp):
+        for ep in range(layout.parallel.ep):
+            fast, exact = _stage_leads(layout, pp, ep), stage_leads_exact(layout, pp, ep)
+            assert fast.keys() == exact.keys(), (pp, ep)
+            for k, v in exact.items():
+                assert (fast[k] is None) == (v is None), (pp, ep, k)
+                if v is not None:
+                    assert fast[k].tolist() == v.tolist(), (pp, ep, k)
+
+
+@settings(max_examples=40)
+@given(t=transitions())
+def test_stage_leads_from_one_layer_per_kind_are_exact(t: Transition) -> None:
+    # The slice's stage filter reads one layer of each kind; it must list exactly the keys and
+    # leading indices that every parameter definition of the stage gives.
+    _same_leads(Layout(t.src))
+    _same_leads(Layout(t.dst))
+
+
+@pytest.mark.parametrize("spec", ["specs/qwen3-235b-a22b/tp4-pp8-ep16-256gpu.yaml",
+                                  "specs/mixtral-8x22b/tp4-pp4-ep8.yaml",
+                                  "specs/llama3.1-70b/tp4-pp4-vpp5-dp8.yaml", TINY[1]])
+def test_stage_leads_of_shipped_specs_are_exact(spec: str) -> None:
+    _same_leads(Layout(load_spec(spec)))

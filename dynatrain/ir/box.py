@@ -33,5 +33,9 @@ class Box:
         hi = tuple(map(min, self.hi, other.hi))
         return Box(lo, hi) if all(a < b for a, b in zip(lo, hi)) else None
 
+    def meets(self, other: "Box") -> bool:
+        """Whether the two boxes overlap (``self & other`` is not None, without building it)."""
+        return all(a < d and c < b for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi))
+
     def __str__(self) -> str:
         return "[" + ", ".join(f"{l}:{h}" for l, h in zip(self.lo, self.hi)) + "]"

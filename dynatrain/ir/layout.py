@@ -101,10 +101,12 @@ class Layout:
             out.append(ChunkShards(ch, shards, bufs))
         return tuple(out)
 
+    @lru_cache(maxsize=4096)
     def chunk_defs(self, pp: int, ep: int
                    ) -> tuple[tuple[tuple[ParamDef, ...], tuple[BufferDef, ...]], ...]:
         """Per chunk of stage ``pp``, its parameters before TP splitting (expert ones those of
-        EP rank ``ep``) and its state buffers: what a stage holds, without its shards."""
+        EP rank ``ep``) and its state buffers: what a stage holds, without its shards.
+        (Cached: the tensor list, the shards and a slice's filters all read it.)"""
         p = self.parallel
         return tuple(chunk_params(self.model, p.tp, p.ep, ep, ch.layers, ch.pre_process,
                                   ch.post_process, p.pp > 1) for ch in self.chunks(pp))
@@ -115,16 +117,23 @@ class Layout:
         """Per chunk of stage ``pp``, the shards of its expert (or dense) params, None for the
         others: expert params split over ETP rank ``rank`` of EP rank ``ep``, dense ones over
         TP rank ``rank`` (every EP rank has the same dense params)."""
-        p = self.parallel
         out = []
         for defs, bufs in self.chunk_defs(pp, ep):
-            if expert:
-                shards = tuple((shard(d, rank, p.expert_tp) if d.split else shard(d, 0, 1))
-                               if d.expert else None for d in defs)
-            else:
-                shards = tuple(None if d.expert else shard(d, rank, p.tp) for d in defs)
+            shards = tuple(self.shard_of(d, rank) if d.expert == expert else None for d in defs)
             out.append((shards, bufs))
         return tuple(out)
+
+    def shard_of(self, d: ParamDef, rank: int) -> Shard:
+        """``d`` as TP rank ``rank`` holds it (``split_of``)."""
+        return shard(d, *self.split_of(d, rank))
+
+    def split_of(self, d: ParamDef, rank: int) -> tuple[int, int]:
+        """(rank, group size) that split ``d`` on TP rank ``rank``: expert params split over
+        expert-TP (unsplit ones whole), dense ones over TP."""
+        p = self.parallel
+        if d.expert:
+            return (rank, p.expert_tp) if d.split else (0, 1)
+        return rank, p.tp
 
     # ---- DDP buffers and the distributed optimizer -------------------------------------------
 

@@ -8,7 +8,7 @@ A shard is a list of pieces; each piece maps a block of the local parameter (sta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from .box import Box
 from .errors import LayoutError
@@ -27,18 +27,31 @@ class Piece:
     box: Box
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Shard:
-    """A parameter as one TP rank holds it."""
+    """A parameter as one TP rank holds it.
+
+    ``pieces`` is built on first use: a stage of a stacked model has one shard per layer, but
+    its regions come from one template per weight (``state._Families``), so most shards are
+    only asked for their local shape.
+    """
 
     param: ParamDef
     local_shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
+    template: tuple  # ((local offset, global lo, global hi), ...) without the prepended axes
     fragments: tuple[int, ...]  # Megatron's axis_fragmentations
 
     @property
     def global_shape(self) -> tuple[int, ...]:
         return tuple(s for _, s in self.param.prepend) + self.param.shape
+
+    @cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        if not self.param.prepend:
+            return tuple([Piece(lo, Box(a, z)) for lo, a, z in self.template])
+        pre_off = tuple([i for i, _ in self.param.prepend])
+        pre_one = tuple([i + 1 for i in pre_off])
+        return tuple([Piece(lo, Box(pre_off + a, pre_one + z)) for lo, a, z in self.template])
 
 
 def shard(p: ParamDef, tp_rank: int, tp_size: int) -> Shard:
@@ -48,13 +61,9 @@ def shard(p: ParamDef, tp_rank: int, tp_size: int) -> Shard:
         raise LayoutError(f"{p.name}: dim {p.split.dim} of {p.shape} does not split "
                           f"{tp_size} ways")
     local, pieces, frag = template
-    if not p.prepend:
-        return Shard(p, local, tuple([Piece(lo, Box(a, z)) for lo, a, z in pieces]), frag)
-    pre_off = tuple([i for i, _ in p.prepend])
-    pre_one = tuple([i + 1 for i in pre_off])
-    return Shard(p, local, tuple([Piece(lo, Box(pre_off + a, pre_one + z))
-                                  for lo, a, z in pieces]),
-                 tuple([s for _, s in p.prepend]) + frag)
+    if p.prepend:
+        frag = tuple([s for _, s in p.prepend]) + frag
+    return Shard(p, local, pieces, frag)
 
 
 @lru_cache(maxsize=1 << 12)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .box import Box
@@ -31,7 +31,8 @@ from .buffers import BufferLayout, OwnedRange, owned_ranges
 from .errors import LayoutError
 from .geometry import flat_boxes, local_to_global, merge_adjacent
 from .layout import Layout
-from .shard import Shard
+from .model import ParamDef
+from .shard import Shard, shard
 # The slot types are the state's vocabulary: imported here, they are importable from here too.
 from .slots import (BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, flat_index, grid_boxes,
                     members, renamed, slot_key)
@@ -102,9 +103,14 @@ class _Families:
         the first time ``sig`` is seen (the slot's name is replaced per member)."""
         g = self.groups.get(sig)
         if g is None:
-            g = self.groups[sig] = (template(), {})
+            g = self.groups[sig] = (template(), {}, None)
             self.order.append(sig)
         g[1][lead] = name
+
+    def add_family(self, sig: tuple, template: tuple, cut: tuple) -> None:
+        """A whole template at once: its members already cut into boxes (``family_cut``)."""
+        self.groups[sig] = (template, None, cut)
+        self.order.append(sig)
 
     def plain(self, s: Stored) -> None:
         """An entry that is not stacked, kept in its place."""
@@ -116,17 +122,38 @@ class _Families:
             if isinstance(item, Stored):
                 out.append(item)
                 continue
-            (key, primary, npre, parts), names = self.groups[item]
-            boxes = grid_boxes(sorted(names))
+            (key, primary, npre, parts), names, cut = self.groups[item]
             for t_lo, t_hi, slot in parts:
-                for lo, hi in boxes:
-                    pts = itertools.product(*(range(a, b) for a, b in zip(lo, hi)))
-                    grid = tuple(names[p] for p in pts)
+                for lo, hi, grid in cut or family_cut(names):
                     box = Box(lo + t_lo, hi + t_hi)
                     first = renamed(slot, grid[0])
                     out.append(Stored(key, self.kinds, box, first if len(grid) == 1 else
                                       StackSlot(first, npre, grid), primary))
         return out
+
+
+@lru_cache(maxsize=1 << 14)
+def _stacked_template(rep: ParamDef, rank: int, size: int, vp: int, vocab: int) -> tuple:
+    """A stacked weight's module-param regions past its leading axes (``_Families``) on TP
+    rank ``rank`` of ``size``: ``rep`` is a member with its leading indices zeroed, so every
+    stage and layout of a model shares the result (a slice compiles classes of both)."""
+    sh = shard(rep, rank, size)
+    npre = len(rep.prepend)
+    parts = local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, vocab)
+    return (rep.key, not rep.tied_copy, npre,
+            tuple((box.lo[npre:], box.hi[npre:], ParamSlot(vp, rep.name, lo))
+                  for lo, box in merge_adjacent(parts, npre)))
+
+
+def family_cut(names: dict[tuple[int, ...], str]
+               ) -> tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]], ...]:
+    """A family's members (leading coordinates -> name) cut into boxes of their grid: (lo, hi,
+    member names row-major) per box (``grid_boxes``)."""
+    out = []
+    for lo, hi in grid_boxes(sorted(names)):
+        pts = itertools.product(*(range(a, b) for a, b in zip(lo, hi)))
+        out.append((lo, hi, tuple([names[p] for p in pts])))
+    return tuple(out)
 
 
 class StateView:
@@ -215,6 +242,10 @@ class StateView:
         c = self.layout.coords(rank)
         return self._param_stored((c.pp, c.tp, c.ep, c.etp))
 
+    def model_part(self, model: tuple[int, int, int, int]) -> tuple[Stored, ...]:
+        """``param_part`` of the ranks of model-parallel class ``model`` = (pp, tp, ep, etp)."""
+        return self._param_stored(model)
+
     def shard_part(self, rank: int) -> tuple[Stored, ...]:
         """What ``rank``'s DistributedOptimizer holds (empty without one)."""
         c = self.layout.coords(rank)
@@ -246,41 +277,61 @@ class StateView:
 
     def _module_stored(self, model: tuple[int, int, int, int], expert: bool) -> list[Stored]:
         L = self.layout
-        V = self.vocab_rows
-        opt_kinds = tuple(k for k in self.kinds if k != "param")
-        kinds = ("param",) if L.parallel.use_distributed_optimizer else ("param", *opt_kinds)
+        pp, tp, ep, etp = model
+        rank = etp if expert else tp
+        kinds = self._module_kinds()
         out: list[Stored] = []
-        for cs in L._shards(*model):
-            vp = cs.chunk.vp
-            fam = _Families(kinds)
-            for sh in cs.shards:
-                if sh.param.expert != expert:
-                    continue
-                p = sh.param
-                if p.prepend and STACK_FAMILIES:  # layer/expert-stacked: one template
-                    fam.add((p.key, p.shape, p.split, sh.local_shape),
-                            tuple([i for i, _ in p.prepend]), p.name,
-                            lambda sh=sh: self._param_template(sh, vp))
-                    continue
-                parts = local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, V)
+        for vp, plain, families, buffers in self._module_groups(pp, ep if expert else 0, expert):
+            for p in plain:
+                sh = L.shard_of(p, rank)
+                parts = local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape,
+                                        self.vocab_rows)
                 for lo, box in merge_adjacent(parts, len(p.prepend)):
                     out.append(Stored(p.key, kinds, box, ParamSlot(vp, p.name, lo),
                                       not p.tied_copy))
+            fam = _Families(kinds)
+            for i, (rep, cut) in enumerate(families):
+                fam.add_family(i, _stacked_template(rep, *L.split_of(rep, rank), vp,
+                                                    self.vocab_rows), cut)
             out += fam.stored()
-            if not expert:
-                for b in cs.buffers:
-                    pre = tuple(i for i, _ in b.prepend)
-                    box = Box.of(pre + (0,) * len(b.shape), (1,) * len(pre) + b.shape)
-                    out.append(Stored(b.key, ("buffer",), box, BufferSlot(vp, b.name)))
+            for b in buffers:
+                pre = tuple(i for i, _ in b.prepend)
+                box = Box.of(pre + (0,) * len(b.shape), (1,) * len(pre) + b.shape)
+                out.append(Stored(b.key, ("buffer",), box, BufferSlot(vp, b.name)))
         return out
 
-    def _param_template(self, sh: Shard, vp: int) -> tuple:
-        """A stacked weight's module-param regions past its leading axes (``_Families``)."""
-        npre = len(sh.param.prepend)
-        parts = local_to_global(sh, (0,) * len(sh.local_shape), sh.local_shape, self.vocab_rows)
-        return (sh.param.key, not sh.param.tied_copy, npre,
-                tuple((box.lo[npre:], box.hi[npre:], ParamSlot(vp, sh.param.name, lo))
-                      for lo, box in merge_adjacent(parts, npre)))
+    def _module_kinds(self) -> tuple[str, ...]:
+        opt_kinds = tuple(k for k in self.kinds if k != "param")
+        return ("param",) if self.layout.parallel.use_distributed_optimizer else \
+            ("param", *opt_kinds)
+
+    @lru_cache(maxsize=1024)
+    def _module_groups(self, pp: int, ep: int, expert: bool) -> tuple:
+        """Per chunk of stage ``pp``: (vp, unstacked params, stacked families, buffers), the
+        same for every TP rank, so a stage's layers are grouped once, not once per TP rank.
+        A family is (its first member, its members cut into boxes); its members share
+        the key, shape and split, hence the local shape and the regions past the leading axes
+        (``_Families``). The first member is kept with its leading indices zeroed: its
+        template is then the same for every stage and layout of the model
+        (``_stacked_template``). Families are in order of first appearance."""
+        out = []
+        for ch, (defs, bufs) in zip(self.layout.chunks(pp), self.layout.chunk_defs(pp, ep)):
+            plain, groups = [], {}
+            for p in defs:
+                if p.expert != expert:
+                    continue
+                if p.prepend and STACK_FAMILIES:  # layer/expert-stacked: one template
+                    sig = (p.key, p.shape, p.split)
+                    if sig not in groups:
+                        groups[sig] = (replace(p, prepend=tuple([(0, n) for _, n in p.prepend])),
+                                       {})
+                    groups[sig][1][tuple([i for i, _ in p.prepend])] = p.name
+                else:
+                    plain.append(p)
+            out.append((ch.vp, tuple(plain),
+                        tuple((rep, family_cut(names)) for rep, names in groups.values()),
+                        () if expert else bufs))
+        return tuple(out)
 
     @lru_cache(maxsize=1 << 14)
     def _shard_stored(self, model: tuple[int, int, int, int], dense_rank: int,

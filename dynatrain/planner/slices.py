@@ -34,11 +34,13 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from ..ir.box import Box
 from ..ir.layout import Layout
+from ..ir.model import chunk_params
 from ..ir.slots import flat_index, members
 from ..ir.state import STEP_KEY, StateView, Stored, transition_views
 from .intersect import Answer, Holders, PlanError, _answer, _Index
@@ -63,10 +65,9 @@ class _Side:
         self._names: dict[Model, dict[str, list[tuple[int, object]]]] = {}
         self._opt: dict[tuple[Model, bool], dict[int, list[int]]] = {}
         self._shapes: dict[Model, dict[str, tuple[int, ...]]] = {}
-        self._lead_cache: dict[tuple[int, int], dict[str, np.ndarray | None]] = {}
 
     def params_of(self, model: Model) -> tuple[Stored, ...]:
-        return self.view.param_part(self.classes[model][0])
+        return self.view.model_part(model)
 
     def _buffer_params(self, model: Model) -> dict[str, list[tuple[int, object]]]:
         """Per parameter name, (buffer index, BufferParam) of every buffer holding it."""
@@ -92,25 +93,7 @@ class _Side:
         return hit
 
     def _leads(self, pp: int, ep: int) -> dict[str, np.ndarray | None]:
-        """Per tensor key that classes of stage ``pp`` and EP rank ``ep`` hold, the leading
-        (layer, expert) indices of its boxes; None where it has no leading axes (any box of
-        the key may overlap). From the model's parameter list alone: compiling a class's
-        shards costs about a millisecond, and a slice would compile every class. (A filter
-        on the TP split would rarely help: every stage holds TP-replicated norms.)"""
-        hit = self._lead_cache.get((pp, ep))
-        if hit is None:
-            leads: dict[str, set[tuple[int, ...]] | None] = {}
-            for defs, bufs in self.layout.chunk_defs(pp, ep):
-                for d in (*defs, *bufs):
-                    lead = tuple(i for i, _ in d.prepend)
-                    if not lead:
-                        leads[d.key] = None
-                    elif leads.get(d.key, ()) is not None:
-                        leads.setdefault(d.key, set()).add(lead)  # type: ignore[union-attr]
-            hit = self._lead_cache[(pp, ep)] = {
-                k: None if v is None else np.array(sorted(v), dtype=np.int64)
-                for k, v in leads.items()}
-        return hit
+        return _stage_leads(self.layout, pp, ep)
 
     def _may_hold(self, stage: tuple[int, int], sets: dict[str, "_BoxSet"]) -> bool:
         """Whether the parameters of classes of ``stage`` (pp, ep) may overlap ``sets``, judged
@@ -234,6 +217,82 @@ class _Side:
         return next((e for e in self.params_of(first) if e.key == STEP_KEY), None)
 
 
+@lru_cache(maxsize=1024)
+def _stage_leads(layout: Layout, pp: int, ep: int) -> dict[str, np.ndarray | None]:
+    """Per tensor key that classes of stage ``pp`` and EP rank ``ep`` hold, the leading
+    (layer, expert) indices of its boxes; None where it has no leading axes (any box of the
+    key may overlap). From the model's parameter list alone: compiling a class's shards costs
+    far more, and a slice would compile every class. (A filter on the TP split would rarely
+    help: every stage holds TP-replicated norms.) Cached per layout: a live job's slices of
+    later switches reuse it.
+
+    Where layers are stacked (``homogeneous_layers``), a layer's keys and trailing leading
+    indices depend only on whether it is an MoE layer, so one layer of each kind is read and
+    the stage's layer indices are put in front (``stage_leads_exact`` reads every layer;
+    a test checks that both agree)."""
+    m, p = layout.model, layout.parallel
+    if not m.homogeneous_layers:
+        return stage_leads_exact(layout, pp, ep)
+    leads: dict[str, set[tuple[int, ...]] | None] = {}
+    moe = m.moe_pattern()
+    for ch in layout.chunks(pp):
+        edge_defs, edge_bufs = chunk_params(m, p.tp, p.ep, ep, (), ch.pre_process,
+                                            ch.post_process, p.pp > 1)
+        _add_leads(leads, (*edge_defs, *edge_bufs))
+        for layer in ch.layers:
+            for key, rests in _layer_leads(m, p.ep, ep, moe[layer]):
+                got = leads.get(key, ())
+                if rests is None:
+                    leads[key] = None
+                elif got is not None:
+                    if not got:
+                        got = leads[key] = set()
+                    got.update((layer, *r) for r in rests)
+    return {k: None if v is None else np.array(sorted(v), dtype=np.int64)
+            for k, v in leads.items()}
+
+
+@lru_cache(maxsize=256)
+def _layer_leads(m, ep_size: int, ep: int, is_moe: bool
+                 ) -> tuple[tuple[str, tuple[tuple[int, ...], ...] | None], ...]:
+    """Per key of a stacked layer of this kind on EP rank ``ep``: its leading indices after
+    the layer's own (the experts' for expert weights, ``()`` otherwise), None for a key
+    without leading axes."""
+    layer = m.moe_pattern().index(is_moe)
+    defs, bufs = chunk_params(m, 1, ep_size, ep, (layer,), False, False, False)
+    out: dict[str, dict[tuple[int, ...], None] | None] = {}
+    for d in (*defs, *bufs):
+        if not d.prepend:
+            out[d.key] = None
+        elif out.get(d.key, ()) is not None:
+            out.setdefault(d.key, {})[tuple([i for i, _ in d.prepend[1:]])] = None
+    return tuple((k, None if v is None else tuple(v)) for k, v in out.items())
+
+
+def stage_leads_exact(layout: Layout, pp: int, ep: int) -> dict[str, np.ndarray | None]:
+    """``_stage_leads`` from every parameter definition of the stage."""
+    leads: dict[str, set[tuple[int, ...]] | None] = {}
+    for defs, bufs in layout.chunk_defs(pp, ep):
+        _add_leads(leads, (*defs, *bufs))
+    return {k: None if v is None else np.array(sorted(v), dtype=np.int64)
+            for k, v in leads.items()}
+
+
+def _add_leads(leads: dict[str, set[tuple[int, ...]] | None], defs) -> None:
+    for d in defs:
+        if not d.prepend:
+            leads[d.key] = None
+            continue
+        got = leads.get(d.key, ())
+        if got is not None:
+            if not got:
+                got = leads[d.key] = set()
+            got.add(tuple([i for i, _ in d.prepend]))
+
+
+_FEW = 16
+
+
 class _BoxSet:
     """Boxes of one tensor, asked which overlap a given box: one numpy comparison instead of a
     ``Box.__and__`` per box (the sends side asks about thousands of boxes per class)."""
@@ -253,10 +312,10 @@ class _BoxSet:
         return bool(((lo <= leads[None]) & (leads[None] < hi)).all(axis=2).any())
 
     def overlapping(self, box: Box) -> list[Box]:
-        if not box.lo or len(self.boxes) == 1 and (box & self.boxes[0]) is not None:
+        if not box.lo:
             return self.boxes
-        if len(self.boxes) == 1:
-            return []
+        if len(self.boxes) <= _FEW:  # numpy's call overhead exceeds a few tuple compares
+            return [b for b in self.boxes if box.meets(b)]
         hit = ((self.lo < np.array(box.hi)) & (self.hi > np.array(box.lo))).all(axis=1)
         return [self.boxes[i] for i in np.flatnonzero(hit).tolist()]
 
@@ -478,7 +537,7 @@ def slice_pairs(src: Layout, dst: Layout, device: str) -> SlicePairs:
         raise PlanError(f"--device {device} is in neither layout")
     t0 = time.perf_counter()
     sv, dv = transition_views(src, dst)
-    dtypes = check_compatible(sv, dv)
+    dtypes = _SameModelDtypes(dv) if _same_model(sv, dv) else check_compatible(sv, dv)
     recv, sends = slice_transfers(src, dst, device, dtypes, replica_of(dst), sv, dv)
     out_pairs: dict[str, list[Transfer]] = defaultdict(list)
     in_pairs: dict[str, list[Transfer]] = defaultdict(list)
@@ -491,6 +550,28 @@ def slice_pairs(src: Layout, dst: Layout, device: str) -> SlicePairs:
     return SlicePairs(device, tuple(Pair(device, d, ts) for d, ts in sorted(out_pairs.items())),
                       tuple(Pair(s, device, ts) for s, ts in sorted(in_pairs.items())),
                       tuple(canonical(local)), time.perf_counter() - t0)
+
+
+def _same_model(sv: StateView, dv: StateView) -> bool:
+    """Both specs name the same model and state dtypes: the logical tensors are then the same
+    by construction (they come from the model's parameter definitions, vocab padding removed),
+    so the slice need not list every tensor of both sides to compare them
+    (``pipeline.check_compatible``, which also catches everything else)."""
+    return (sv.layout.model == dv.layout.model and sv.kinds == dv.kinds
+            and sv.vocab_rows == dv.vocab_rows)
+
+
+class _SameModelDtypes(dict):
+    """``check_compatible``'s dtypes of two views of one model, each looked up when asked:
+    a state kind's dtype from the spec, fp32 router buffers, the int64 Adam step (as
+    ``StateView.tensors``)."""
+
+    def __init__(self, view: StateView) -> None:
+        super().__init__()
+        self.kinds = {**view.kinds, "buffer": "fp32", "step": "int64"}
+
+    def __missing__(self, tk: tuple[str, str]) -> str:
+        return self.kinds[tk[1]]
 
 
 def finish_slice(src: Layout, dst: Layout, budget_bytes: int, pairs: SlicePairs, *,

@@ -72,8 +72,9 @@ class Layout:
         if w.devices is not None:
             return tuple(w.devices)
         assert w.nodes is not None and w.gpus_per_node is not None
-        return tuple(f"node{n}:gpu{g}" for n in range(w.first_node, w.first_node + w.nodes)
-                     for g in range(w.gpus_per_node))
+        gpus = [f":gpu{g}" for g in range(w.gpus_per_node)]
+        return tuple([f"node{n}{g}" for n in range(w.first_node, w.first_node + w.nodes)
+                      for g in gpus])
 
     def coords(self, rank: int) -> RankCoords:
         return self.mesh.coords(rank)

@@ -293,6 +293,23 @@ def _add_leads(leads: dict[str, set[tuple[int, ...]] | None], defs) -> None:
 _FEW = 16
 
 
+class _NodeOf:
+    """``node_of`` of each device, computed for the ranks asked about (a slice meets a few
+    holders, not the world)."""
+
+    __slots__ = ("devices", "memo")
+
+    def __init__(self, devices: tuple[str, ...]) -> None:
+        self.devices = devices
+        self.memo: dict[int, str] = {}
+
+    def __getitem__(self, rank: int) -> str:
+        n = self.memo.get(rank)
+        if n is None:
+            n = self.memo[rank] = node_of(self.devices[rank])
+        return n
+
+
 class _BoxSet:
     """Boxes of one tensor, asked which overlap a given box: one numpy comparison instead of a
     ``Box.__and__`` per box (the sends side asks about thousands of boxes per class)."""
@@ -365,8 +382,7 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
     included), and transfers from its source rank to other devices."""
     derived = ("param",) if dst.spec.state.derive_param else ()
     s_side, d_side = _Side(sv), _Side(dv)
-    src_nodes = [node_of(d) for d in src.devices]
-    cands = CandidateCache(src_nodes)
+    cands = CandidateCache(_NodeOf(src.devices))
     rank_on_device = {d: r for r, d in enumerate(src.devices)}
     ebytes = ElemBytes(dtypes)
     opt = set(dv.kinds) - {"param"}  # what optimizer shards hold

@@ -66,10 +66,13 @@ class Candidates:
 
     def __init__(self, holders: tuple[Holders, ...], src_nodes: Sequence[str]) -> None:
         self.holders = holders  # keeps the tuple alive: callers cache by its id
-        group: dict[int, Holders] = {}
-        for h in holders:
-            for r in h.ranks:
-                group.setdefault(r, h)
+        if len(holders) == 1:  # the usual case: one slot, its ranks listed once
+            group = dict.fromkeys(holders[0].ranks, holders[0])
+        else:
+            group = {}
+            for h in holders:
+                for r in h.ranks:
+                    group.setdefault(r, h)
         self.ranks = sorted(group)
         self.group = group
         self.members = frozenset(group)

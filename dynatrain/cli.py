@@ -355,10 +355,10 @@ def _plan_device(args: argparse.Namespace) -> int:
 
 def _per_device_table(plan) -> list[str]:
     """Every device: bytes in and out over NVLink and the network, local copies, busy time."""
-    from .planner.cost import link_bytes
+    from .planner.cost import total_link_bytes
     from .report.heatmap import device_order
 
-    per = link_bytes(list(plan.messages()))
+    per = total_link_bytes(plan)
     rank_of_src = {d: r for r, d in enumerate(plan.src_devices)}
     rank_of_dst = {d: r for r, d in enumerate(plan.dst_devices)}
     devices = device_order(plan)

@@ -17,6 +17,7 @@ the destination job, which no topology field models.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,34 +126,62 @@ class LinkBytes:
         )
 
 
-def link_bytes(messages: list[Message] | tuple[Message, ...]) -> dict[str, LinkBytes]:
-    acc: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+def link_bytes(messages: Iterable[Message]) -> dict[str, LinkBytes]:
+    """Per device, the bytes ``messages`` move over each of its links."""
+    acc: dict[str, list[int]] = {}
+    node: dict[str, str] = {}  # node_of per device: asked twice per message otherwise
+
+    def row(d: str) -> list[int]:
+        r = acc.get(d)
+        if r is None:
+            r = acc[d] = [0, 0, 0, 0, 0]
+            node[d] = node_of(d)
+        return r
+
     for m in messages:
-        n = m.nbytes
-        if m.local:
-            acc[m.src_device][4] += n
-        elif node_of(m.src_device) == node_of(m.dst_device):
-            acc[m.src_device][0] += n
-            acc[m.dst_device][1] += n
+        n, s, d = m.nbytes, m.src_device, m.dst_device
+        rs = row(s)
+        if s == d:
+            rs[4] += n
+            continue
+        rd = row(d)
+        if node[s] == node[d]:
+            rs[0] += n
+            rd[1] += n
         else:
-            acc[m.src_device][2] += n
-            acc[m.dst_device][3] += n
+            rs[2] += n
+            rd[3] += n
     return {d: LinkBytes(*v) for d, v in acc.items()}
 
 
+def total_link_bytes(plan: Plan) -> dict[str, LinkBytes]:
+    """``link_bytes`` of the whole plan: the sum of its rounds' (``Plan.round_links``)."""
+    acc: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+    for per in plan.round_links:
+        for d, lb in per.items():
+            a = acc[d]
+            a[0] += lb.intra_out
+            a[1] += lb.intra_in
+            a[2] += lb.inter_out
+            a[3] += lb.inter_in
+            a[4] += lb.local
+    return {d: LinkBytes(*v) for d, v in acc.items()}
+
+
+def _busiest(per_dev: dict[str, LinkBytes], topo: Topology) -> float:
+    return max((lb.seconds(topo) for lb in per_dev.values()), default=0.0)
+
+
 def round_seconds(rnd: Round, topo: Topology) -> float:
-    per_dev = link_bytes(rnd.messages)
-    busiest = max((lb.seconds(topo) for lb in per_dev.values()), default=0.0)
-    return topo.latency_us * 1e-6 + busiest
+    return topo.latency_us * 1e-6 + _busiest(link_bytes(rnd.messages), topo)
 
 
 def predicted_seconds(plan: Plan, topo: Topology) -> float:
-    return sum(round_seconds(r, topo) for r in plan.rounds)
+    return sum(topo.latency_us * 1e-6 + _busiest(per, topo) for per in plan.round_links)
 
 
 def lower_bound_seconds(plan: Plan, topo: Topology) -> float:
-    per_dev = link_bytes(list(plan.messages()))
-    busiest = max((lb.seconds(topo) for lb in per_dev.values()), default=0.0)
+    busiest = _busiest(total_link_bytes(plan), topo)
     return (topo.latency_us * 1e-6 if busiest else 0.0) + busiest
 
 

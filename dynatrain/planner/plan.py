@@ -10,6 +10,7 @@ serializable (``dynatrain.planner.serialize``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from ..ir.box import Box
@@ -111,3 +112,11 @@ class Plan:
     def messages(self):
         for rnd in self.rounds:
             yield from rnd.messages
+
+    @cached_property
+    def round_links(self) -> tuple[dict, ...]:
+        """Per round, the bytes each device moves over each of its links
+        (``cost.link_bytes``), computed once: the cost model, the lower bound, the summary
+        and ``--per-device`` all read it (a plan never changes)."""
+        from .cost import link_bytes  # cost imports this module
+        return tuple(link_bytes(r.messages) for r in self.rounds)

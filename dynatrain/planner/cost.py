@@ -168,6 +168,13 @@ def total_link_bytes(plan: Plan) -> dict[str, LinkBytes]:
     return {d: LinkBytes(*v) for d, v in acc.items()}
 
 
+def staging_peak(per_dev: dict[str, LinkBytes]) -> int:
+    """The most bytes one device stages in a round of these link bytes: what it sends and
+    receives between devices (``schedule.peak_staging``'s staging model)."""
+    return max((lb.intra_out + lb.intra_in + lb.inter_out + lb.inter_in
+                for lb in per_dev.values()), default=0)
+
+
 def _busiest(per_dev: dict[str, LinkBytes], topo: Topology) -> float:
     return max((lb.seconds(topo) for lb in per_dev.values()), default=0.0)
 

@@ -15,13 +15,13 @@ from typing import Any
 
 from ..ir.layout import Layout
 from ..ir.state import StateView, transition_views
-from .cost import H100, Topology, lower_bound_seconds, predicted_seconds
+from .cost import H100, Topology, lower_bound_seconds, predicted_seconds, staging_peak
 from .gcpause import cycle_collector_paused
 from .intersect import Intersection, PlanError, intersect
 from .lost import StateLost, check_failed, lost_state
 from .place import auto_place
 from .plan import Plan
-from .schedule import check_budget, peak_staging
+from .schedule import check_budget
 from .sources import pick_sources
 from .spread import global_spread, pairs_by_device, rounds_of
 
@@ -131,19 +131,25 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
     rounds = step("rounds", lambda: rounds_of(pairs.values(), local, unit, n))
     plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,
                 tuple(rounds), budget_bytes, ("param",) if dst.spec.state.derive_param else ())
-    moved = sum(m.nbytes for m in plan.messages() if not m.local)
-    peaks = [max(peak_staging(r).values(), default=0) for r in rounds]
+    moved = local = messages = records = 0
+    for m in plan.messages():  # one pass: millions of messages on the largest switches
+        records += len(m.transfers)
+        if m.src_device == m.dst_device:
+            local += m.nbytes
+        else:
+            moved += m.nbytes
+            messages += 1
     plan.stats.update(
         bytes_moved=moved,
         bytes_lower_bound=lower_bytes,
-        bytes_local=sum(m.nbytes for m in plan.messages() if m.local),
-        messages=sum(1 for m in plan.messages() if not m.local),
+        bytes_local=local,
+        messages=messages,
         # Records of the plan, as its JSON, --text and `verify` count them; parts are what
         # pick_sources chose a sender for, before spread cut them into round chunks.
-        transfers=sum(len(m.transfers) for m in plan.messages()),
+        transfers=records,
         parts=len(transfers),
         rounds=len(rounds),
-        peak_staging_bytes=max(peaks, default=0),
+        peak_staging_bytes=max((staging_peak(per) for per in plan.round_links), default=0),
         budget_bytes=budget_bytes,
         spread=[unit, n],  # what a device's slice needs besides the layouts (``slices``)
         predicted_seconds=predicted_seconds(plan, topology),

@@ -75,7 +75,11 @@ def fill(t: Transfer, room: int, tol: int) -> tuple[list[Transfer], list[Transfe
 def split(transfers: list[Transfer], edges: list[int], tol: int) -> list[list[Transfer]]:
     """``transfers`` (canonical order) cut into ``len(edges) - 1`` chunks at ``edges``; every
     cut lies within ``tol`` bytes of its edge (``fill``), so a chunk holds its edges'
-    difference plus at most ``2 * tol`` bytes, and nothing where its edges are equal."""
+    difference plus at most ``2 * tol`` bytes, and nothing where its edges are equal.
+
+    A transfer crossing several edges is usually cut at whole indices of one dim at each of
+    them; those cuts are made straight from the transfer (``_whole_index_cuts``), the same
+    pieces as cutting the rest again at every edge, without building each rest."""
     n = len(edges) - 1
     chunks: list[list[Transfer]] = [[] for _ in range(n)]
     i, pos = 0, 0
@@ -89,12 +93,59 @@ def split(transfers: list[Transfer], edges: list[int], tol: int) -> list[list[Tr
             chunks[i].append(t)
             pos += t.nbytes
             continue
+        t, i, pos = _whole_index_cuts(t, chunks, edges, i, pos, tol)
+        if t is None:
+            continue
+        end = edges[i + 1]
         heads, rest = fill(t, end - pos, tol) if end - pos > tol else ([], [t])
         chunks[i].extend(heads)
         pos += sum(h.nbytes for h in heads)
         i += 1  # the rest starts the next chunk
         todo.extendleft(reversed(rest))
     return chunks
+
+
+def _whole_index_cuts(t: Transfer, chunks: list[list[Transfer]], edges: list[int], i: int,
+                      pos: int, tol: int) -> tuple[Transfer | None, int, int]:
+    """``split``'s steps on ``t`` (which crosses the end of chunk ``i``) for as long as each
+    is a whole-index cut along ``t``'s first dim longer than 1 (``fill``'s coarse case) or
+    moves the rest on: the rest is kept as an index range and only the pieces are built.
+    Returns (None, i, pos) when ``t`` is placed, else the rest as a transfer, for ``fill``,
+    with the chunk and position it starts at."""
+    box = t.box
+    lo, hi = box.lo, box.hi
+    d = next((j for j in range(len(lo)) if hi[j] - lo[j] > 1), None)
+    if d is None:
+        return t, i, pos
+    n = len(edges) - 1
+    per = t.nbytes // (hi[d] - lo[d])
+    a, z = lo[d], hi[d]
+
+    def piece(x: int, y: int) -> Transfer:
+        return t if (x, y) == (lo[d], z) else _sub(t, box, d, x, y)
+
+    while True:
+        left = per * (z - a)
+        while i < n - 1 and pos >= edges[i + 1]:
+            i += 1
+        end = edges[i + 1]
+        if i == n - 1 or pos + left <= end:  # the rest fits chunk i
+            chunks[i].append(piece(a, z))
+            return None, i, pos + left
+        room = end - pos
+        if room <= tol:  # no cut this close to the edge: the rest starts the next chunk
+            i += 1
+            continue
+        if left <= room + tol:  # within tolerance: the whole rest ends chunk i
+            chunks[i].append(piece(a, z))
+            return None, i + 1, pos + left
+        k = (room + tol) // per
+        if z - a == 1 or not (k and room - k * per <= tol):
+            return piece(a, z), i, pos  # a finer cut: ``fill`` makes it
+        chunks[i].append(_sub(t, box, d, a, a + k))
+        pos += k * per
+        a += k
+        i += 1
 
 
 class Pair:

@@ -145,46 +145,47 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
                 emit(Violation("source", f"round {r}: reads from failed device {m.src_device} "
                                f"({len(m.transfers)} transfer(s) to {m.dst_device})", t.key,
                                ",".join(t.kinds), (t.src_rank,), (m.src_device,), t.box.lo))
+            m_src, m_dst = m.src_device, m.dst_device
+            count += len(m.transfers)
             for t in m.transfers:
-                count += 1
-                sr, dr = t.src_rank, t.dst_rank
+                key, kinds_t, box, sr, dr, s_slot, anchor, d_slot, d_anchor, nbytes = t
                 if not (0 <= sr < s_world and 0 <= dr < d_world):
                     emit(Violation("source", f"is sent from rank {sr} to rank {dr}, outside the layouts "
                                    f"(source world {s_world}, destination world {d_world})",
-                                   t.key, ",".join(t.kinds), (sr, dr), (), t.box.lo))
+                                   key, ",".join(kinds_t), (sr, dr), (), box.lo))
                     continue
-                if s_dev[sr] != m.src_device or d_dev[dr] != m.dst_device:
+                if s_dev[sr] != m_src or d_dev[dr] != m_dst:
                     _wrong_device(r, m, t, s_dev, d_dev, emit)
                 # Keyed by identity: the plan keeps the slot and anchor objects alive, and
                 # transfers cut from one source region share them (equal copies only miss).
-                where = (sr, t.key, id(t.src_slot), id(t.src_anchor), t.kinds)
+                where = (sr, key, id(s_slot), id(anchor), kinds_t)
                 kinds = held.get(where, ())
                 if kinds == ():
-                    s = s_hold.find(sr, (t.key, t.src_slot, t.src_anchor))
+                    s = s_hold.find(sr, (key, s_slot, anchor))
                     kinds = held[where] = (s.kinds if s is not None
-                                           and set(t.kinds) <= set(s.kinds) else None)
-                box, anchor = t.box, t.src_anchor
+                                           and set(kinds_t) <= set(s.kinds) else None)
+                lo, hi = box.lo, box.hi
                 n = 1
-                fits = kinds is not None and len(box.lo) == len(anchor.lo) == len(box.hi)
+                fits = kinds is not None and len(lo) == len(anchor.lo) == len(hi)
                 if fits:
-                    for l, h, a, z in zip(box.lo, box.hi, anchor.lo, anchor.hi):
+                    for l, h, a, z in zip(lo, hi, anchor.lo, anchor.hi):
                         if not a <= l < h <= z:
                             fits = False
                             break
                         n *= h - l
                 if not fits:
-                    s = s_hold.find(sr, (t.key, t.src_slot, t.src_anchor))
-                    _check_source(t, m.src_device, s.kinds if s is not None else None, emit)
-                size = sizes.get((t.key, t.kinds), -1)
+                    s = s_hold.find(sr, (key, s_slot, anchor))
+                    _check_source(t, m_src, s.kinds if s is not None else None, emit)
+                size = sizes.get((key, kinds_t), -1)
                 if size == -1:
                     size = elem_bytes.get(t, emit)
                 if fits and size is not None:
                     moved += size * n
-                if fits and size is not None and t.nbytes != size * n:
-                    emit(Violation("memory", f"round {r}: a transfer {box} declares {t.nbytes} "
-                                   f"bytes but moves {size * n}", t.key, ",".join(t.kinds),
-                                   (sr, dr), (m.src_device, m.dst_device), box.lo))
-                writes[(dr, (t.key, t.dst_slot, t.dst_anchor))].append(t)
+                    if nbytes != size * n:
+                        emit(Violation("memory", f"round {r}: a transfer {box} declares {nbytes} "
+                                       f"bytes but moves {size * n}", key, ",".join(kinds_t),
+                                       (sr, dr), (m_src, m_dst), lo))
+                writes[(dr, (key, d_slot, d_anchor))].append(t)
             if m.src_device != m.dst_device:  # local copies go slot to slot: no staging
                 staged[m.src_device] += moved
                 staged[m.dst_device] += moved

@@ -32,9 +32,12 @@ def check_deadlock(plan: Plan, emit: Emit) -> int:
 
 def _check_listing(r: int, rnd: Round, order: dict[str, tuple[int, ...]], emit: Emit) -> bool:
     """Each message listed once by each of its devices and by no other; True if so."""
-    n = len(rnd.messages)
+    msgs = rnd.messages
+    n = len(msgs)
     ok = True
-    seen: dict[tuple[str, int], int] = {}
+    # How many times each message is listed by its sender and by its receiver (a local copy:
+    # its one device counts as the sender).
+    by_src, by_dst = [0] * n, [0] * n
     for dev, ix in order.items():
         for i in ix:
             if not 0 <= i < n:
@@ -42,16 +45,21 @@ def _check_listing(r: int, rnd: Round, order: dict[str, tuple[int, ...]], emit: 
                                f"{n}", devices=(dev,), witness=((r, i),)))
                 ok = False
                 continue
-            m = rnd.messages[i]
-            if dev not in (m.src_device, m.dst_device):
+            m = msgs[i]
+            if dev == m.src_device:
+                by_src[i] += 1
+            elif dev == m.dst_device:
+                by_dst[i] += 1
+            else:
                 emit(Violation("deadlock", f"round {r}: {dev} runs message {i} "
                                f"({m.src_device} -> {m.dst_device}), which is not its own",
                                devices=(dev,), witness=((r, i),)))
                 ok = False
-            seen[(dev, i)] = seen.get((dev, i), 0) + 1
-    for i, m in enumerate(rnd.messages):
-        for dev in {m.src_device, m.dst_device}:
-            times = seen.get((dev, i), 0)
+    for i, m in enumerate(msgs):
+        if by_src[i] == 1 and (by_dst[i] == 1 or m.src_device == m.dst_device):
+            continue
+        for dev, times in ((m.src_device, by_src[i]), (m.dst_device, by_dst[i]))[
+                :1 if m.src_device == m.dst_device else 2]:
             if times != 1:
                 side = "send" if dev == m.src_device else "receive"
                 emit(Violation("deadlock", f"round {r}: {dev} runs the {side} of message {i} "

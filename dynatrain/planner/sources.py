@@ -64,7 +64,8 @@ class Candidates:
 
     __slots__ = ("holders", "ranks", "group", "members", "by_node")
 
-    def __init__(self, holders: tuple[Holders, ...], src_nodes: Sequence[str]) -> None:
+    def __init__(self, holders: tuple[Holders, ...], src_nodes: Sequence[str],
+                 shared: dict | None = None) -> None:
         self.holders = holders  # keeps the tuple alive: callers cache by its id
         if len(holders) == 1:  # the usual case: one slot, its ranks listed once
             group = dict.fromkeys(holders[0].ranks, holders[0])
@@ -73,13 +74,20 @@ class Candidates:
             for h in holders:
                 for r in h.ranks:
                     group.setdefault(r, h)
-        self.ranks = sorted(group)
         self.group = group
-        self.members = frozenset(group)
-        by_node: dict[str, list[int]] = {}
-        for r in self.ranks:
-            by_node.setdefault(src_nodes[r], []).append(r)
-        self.by_node = by_node
+        # Many parts (every norm of a stage) have the same holder ranks in other slots: their
+        # sorted ranks, set and per-node lists are built once (``shared``, by rank tuple).
+        ranks = tuple(group)
+        hit = shared.get(ranks) if shared is not None else None
+        if hit is None:
+            srt = sorted(group)
+            by_node: dict[str, list[int]] = {}
+            for r in srt:
+                by_node.setdefault(src_nodes[r], []).append(r)
+            hit = (srt, frozenset(srt), by_node)
+            if shared is not None:
+                shared[ranks] = hit
+        self.ranks, self.members, self.by_node = hit
 
     def choose(self, here: int, dst_node: str, replica: int, offset: int, slab: int) -> int:
         """The rank a receiver takes slab ``slab`` of this part from."""
@@ -96,11 +104,12 @@ class CandidateCache:
     def __init__(self, src_nodes: Sequence[str]) -> None:
         self.src_nodes = src_nodes
         self.cache: dict[int, Candidates] = {}
+        self.shared: dict[tuple[int, ...], tuple] = {}
 
     def __call__(self, holders: tuple[Holders, ...]) -> Candidates:
         c = self.cache.get(id(holders))
         if c is None:
-            c = self.cache[id(holders)] = Candidates(holders, self.src_nodes)
+            c = self.cache[id(holders)] = Candidates(holders, self.src_nodes, self.shared)
         return c
 
 

@@ -365,10 +365,8 @@ class StateView:
 
     def _compute_buffer_stored(self, model: tuple[int, int, int, int], bi: int,
                                buf: BufferLayout, opt_rank: int) -> tuple[Stored, ...]:
-        L = self.layout
         opt_kinds = tuple(k for k in self.kinds if k != "param")
-        by_name = {sh.param.name: sh for cs in L._shards(*model) if cs.chunk.vp == buf.chunk
-                   for sh in cs.shards}
+        by_name = self._shards_by_name(model, buf.chunk)
         fam = _Families(opt_kinds)
         for o in owned_ranges(buf, opt_rank):
             sh = by_name[o.name]
@@ -381,6 +379,13 @@ class StateView:
             for box, slot in self._flat_regions(sh, o, buf.chunk, bi):
                 fam.plain(Stored(sh.param.key, opt_kinds, box, slot, not sh.param.tied_copy))
         return tuple(fam.stored())
+
+    @lru_cache(maxsize=4096)
+    def _shards_by_name(self, model: tuple[int, int, int, int], chunk: int) -> dict[str, Shard]:
+        """The shards of chunk ``chunk`` of a class by parameter name (every buffer shard of
+        the class looks its parameters up here)."""
+        return {sh.param.name: sh for cs in self.layout._shards(*model) if cs.chunk.vp == chunk
+                for sh in cs.shards}
 
     def _flat_regions(self, sh: Shard, o: OwnedRange, chunk: int, bi: int
                       ) -> list[tuple[Box, FlatSlot]]:

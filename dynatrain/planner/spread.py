@@ -151,7 +151,7 @@ def _whole_index_cuts(t: Transfer, chunks: list[list[Transfer]], edges: list[int
 class Pair:
     """One remote (source device, destination device) pair and its transfers."""
 
-    __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "_cache")
+    __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "_cache", "_edges")
 
     def __init__(self, src: str, dst: str, transfers: list[Transfer]) -> None:
         self.src, self.dst = src, dst
@@ -160,6 +160,14 @@ class Pair:
         self.elem = max((t.nbytes // t.box.numel for t in self.transfers), default=0)
         self.phase = pair_phase(src, dst)
         self._cache: tuple[int, list[list[Transfer]]] | None = None
+        self._edges: tuple[int, int, list[int]] | None = None
+
+    def edges(self, rounds: int, unit: int) -> list[int]:
+        """``bounds`` of this pair (asked by both its devices' ``_fits`` and by ``chunks``)."""
+        e = self._edges
+        if e is None or e[0] != rounds or e[1] != unit:
+            e = self._edges = (rounds, unit, bounds(self.nbytes, rounds, unit, self.phase))
+        return e[2]
 
     def tolerance(self, unit: int) -> int:
         """How far a cut may lie from its edge: half a unit, or one element if larger."""
@@ -167,8 +175,7 @@ class Pair:
 
     def chunks(self, rounds: int, unit: int) -> list[list[Transfer]]:
         if self._cache is None or self._cache[0] != rounds:
-            self._cache = (rounds, split(self.transfers,
-                                         bounds(self.nbytes, rounds, unit, self.phase),
+            self._cache = (rounds, split(self.transfers, self.edges(rounds, unit),
                                          self.tolerance(unit)))
         return self._cache[1]
 
@@ -181,7 +188,7 @@ def _fits(pairs: list[Pair], rounds: int, unit: int, half: int) -> bool:
     """
     used = [0] * rounds
     for p in pairs:
-        e = bounds(p.nbytes, rounds, unit, p.phase)
+        e = p.edges(rounds, unit)
         slack = 2 * p.tolerance(unit)
         for i in range(rounds):
             if e[i + 1] > e[i]:

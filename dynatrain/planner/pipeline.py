@@ -116,7 +116,14 @@ def _plan(src: Layout, dst: Layout, budget_bytes: int, topology: Topology, trace
 def replica_of(dst: Layout) -> Callable[[int], int]:
     """A destination rank's replica index: its rank in the data-parallel-with-context group
     (``sources``' rotation spreads the replicas of one position over the holders)."""
-    return lambda rank: dst.coords(rank).dp_cp
+    memo: dict[int, int] = {}  # asked once per part and receiver: millions of times
+
+    def replica(rank: int) -> int:
+        r = memo.get(rank)
+        if r is None:
+            r = memo[rank] = dst.coords(rank).dp_cp
+        return r
+    return replica
 
 
 def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[str, str], str],

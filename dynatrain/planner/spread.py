@@ -151,16 +151,23 @@ def _whole_index_cuts(t: Transfer, chunks: list[list[Transfer]], edges: list[int
 class Pair:
     """One remote (source device, destination device) pair and its transfers."""
 
-    __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "_cache", "_edges")
+    __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "_cache", "_edges",
+                 "_loads")
 
     def __init__(self, src: str, dst: str, transfers: list[Transfer]) -> None:
         self.src, self.dst = src, dst
         self.transfers = canonical(transfers)
         self.nbytes = sum(t.nbytes for t in self.transfers)
-        self.elem = max((t.nbytes // t.box.numel for t in self.transfers), default=0)
+        # Bytes per element: the same for every transfer of one (key, kinds), so one each.
+        per: dict[tuple[str, tuple[str, ...]], int] = {}
+        for t in self.transfers:
+            if (t.key, t.kinds) not in per:
+                per[(t.key, t.kinds)] = t.nbytes // t.box.numel
+        self.elem = max(per.values(), default=0)
         self.phase = pair_phase(src, dst)
         self._cache: tuple[int, list[list[Transfer]]] | None = None
         self._edges: tuple[int, int, list[int]] | None = None
+        self._loads: tuple[int, int, list[int]] | None = None
 
     def edges(self, rounds: int, unit: int) -> list[int]:
         """``bounds`` of this pair (asked by both its devices' ``_fits`` and by ``chunks``)."""
@@ -168,6 +175,17 @@ class Pair:
         if e is None or e[0] != rounds or e[1] != unit:
             e = self._edges = (rounds, unit, bounds(self.nbytes, rounds, unit, self.phase))
         return e[2]
+
+    def loads(self, rounds: int, unit: int) -> list[int]:
+        """The most bytes each chunk may hold: its edges' difference plus twice the
+        tolerance, at most the pair (``split``'s bound), 0 for an empty chunk."""
+        c = self._loads
+        if c is None or c[0] != rounds or c[1] != unit:
+            e = self.edges(rounds, unit)
+            slack, n = 2 * self.tolerance(unit), self.nbytes
+            c = self._loads = (rounds, unit, [min(b - a + slack, n) if b > a else 0
+                                              for a, b in zip(e, e[1:])])
+        return c[2]
 
     def tolerance(self, unit: int) -> int:
         """How far a cut may lie from its edge: half a unit, or one element if larger."""
@@ -186,13 +204,9 @@ def _fits(pairs: list[Pair], rounds: int, unit: int, half: int) -> bool:
     From the edges alone: a chunk holds its edges' difference plus at most twice the pair's
     tolerance (``split``), so no pair is cut to decide this.
     """
-    used = [0] * rounds
-    for p in pairs:
-        e = p.edges(rounds, unit)
-        slack = 2 * p.tolerance(unit)
-        for i in range(rounds):
-            if e[i + 1] > e[i]:
-                used[i] += min(e[i + 1] - e[i] + slack, p.nbytes)
+    if not pairs:
+        return True
+    used = map(sum, zip(*(p.loads(rounds, unit) for p in pairs)))
     return max(used, default=0) <= half
 
 

@@ -29,7 +29,7 @@ from .ir.units import parse_bytes
 from .planner.cost import Topology, load_topology, predicted_downtime
 from .planner.pipeline import plan_transition
 from .planner.plan import Plan
-from .planner.serialize import plan_from_json, plan_to_json
+from .planner.serialize import plan_from_json, write_plan_json
 from .verify.check import verify as _verify
 from .verify.report import VerificationError, VerifyReport
 
@@ -140,11 +140,10 @@ def summarize(switch: PlannedSwitch) -> str:
 
 def save_plan(switch: PlannedSwitch, path: str | os.PathLike[str]) -> None:
     """Write the plan as ``dynatrain.plan/3`` JSON with both specs embedded (self-contained)."""
-    doc = plan_to_json(switch.plan, spec_to_dict(switch.src.spec),
-                       spec_to_dict(switch.dst.spec, switch.plan.dst_devices))
     try:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f, separators=(",", ":"))
+            write_plan_json(switch.plan, f, spec_to_dict(switch.src.spec),
+                            spec_to_dict(switch.dst.spec, switch.plan.dst_devices))
     except OSError as err:
         raise DynatrainError(f"{os.fspath(path)}: cannot write ({err.strerror or err})") from None
 

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from .ir.errors import EXIT_BAD_INPUT, DynatrainError
 from .ir.facts import rank_facts
@@ -37,6 +37,15 @@ def _write(path: str, text: str, option: str = "--json") -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
+    except OSError as err:
+        raise DynatrainError(f"{option}: cannot write {path!r} ({err.strerror or err})") from None
+
+
+def _write_lines(path: str, lines: Iterable[str], option: str) -> None:
+    """``_write`` for text produced a line at a time (a large plan's ``--text``)."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(lines)
     except OSError as err:
         raise DynatrainError(f"{option}: cannot write {path!r} ({err.strerror or err})") from None
 
@@ -230,13 +239,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         write_dot(switch.plan, args.dot)
     if args.text:
-        from .planner.text import plan_to_text
+        from .planner.text import plan_text_lines
 
-        text = plan_to_text(switch.plan)
         if args.text == "-":
-            sys.stdout.write(text)
+            sys.stdout.writelines(plan_text_lines(switch.plan))
             return 0
-        _write(args.text, text, "--text")
+        _write_lines(args.text, plan_text_lines(switch.plan), "--text")
     lines = summary_lines(switch)
     if args.per_device:
         lines.extend(_per_device_table(switch.plan))

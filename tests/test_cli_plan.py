@@ -142,3 +142,33 @@ def test_plan_heatmap_and_dot(tmp_path, capsys) -> None:
     assert len(err) == 1 and "--dot" in err[0] and "at most" in err[0]
     assert not js.exists() and not png2.exists()  # refused before anything was written
     assert main(["plan", small, small, "--heatmap", str(tmp_path / "t.jpg")]) == 2
+
+
+@pytest.mark.parametrize("pair,budget", [
+    (("specs/tiny-gpt/tp2-dp2.yaml", "specs/tiny-gpt/pp2-dp2.yaml"), 1 << 14),  # many rounds
+    ((SRC, DST), 2 << 30),
+    (("specs/qwen3-30b-a3b/tp2-pp2-ep4.yaml", "specs/qwen3-30b-a3b/tp2-pp2-ep4.yaml"), 1 << 30),
+])
+def test_streamed_json_and_text_are_the_documents_bytes(pair, budget, monkeypatch) -> None:
+    # The writers stream a batch of messages at a time; what they write must be exactly the
+    # whole document's compact JSON and the whole text, whatever the batch boundaries.
+    import io
+
+    from dynatrain.ir.layout import Layout
+    from dynatrain.ir.loader import load_spec, spec_to_dict
+    from dynatrain.planner import serialize
+    from dynatrain.planner.pipeline import plan_transition
+    from dynatrain.planner.text import plan_text_lines, plan_to_text
+
+    src, dst = Layout(load_spec(pair[0])), Layout(load_spec(pair[1]))
+    plan = plan_transition(src, dst, budget)
+    specs = (spec_to_dict(src.spec), spec_to_dict(dst.spec, plan.dst_devices))
+    for batch in (1, 3, serialize.STREAM_BATCH):
+        monkeypatch.setattr(serialize, "STREAM_BATCH", batch)
+        for with_specs in (specs, (None, None)):
+            out = io.StringIO()
+            serialize.write_plan_json(plan, out, *with_specs)
+            whole = json.dumps(plan_to_json(plan, *with_specs), separators=(",", ":"))
+            assert out.getvalue() == whole, batch
+    assert "".join(plan_text_lines(plan)) == plan_to_text(plan)
+    assert plan_from_json(json.loads(whole)).rounds == plan.rounds

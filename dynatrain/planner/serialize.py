@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from operator import le
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from ..ir.box import Box
 from ..ir.slots import FlatSlot, ParamSlot, Slot, StackSlot
@@ -33,6 +34,38 @@ def _box(b: Box) -> list:
     return [list(b.lo), list(b.hi)]
 
 
+def _message_doc(m: Message, slot_ref) -> dict[str, Any]:
+    return {"src_device": m.src_device, "dst_device": m.dst_device,
+            "transfers": [[t.key, list(t.kinds), _box(t.box), t.src_rank, t.dst_rank,
+                           slot_ref(t.src_slot), _box(t.src_anchor), slot_ref(t.dst_slot),
+                           _box(t.dst_anchor), t.nbytes] for t in m.transfers]}
+
+
+class _SlotTable:
+    """Slots listed once, in order of first use; transfers name them by index."""
+
+    def __init__(self) -> None:
+        self.slots: list[list] = []
+        self.index: dict[Slot, int] = {}
+
+    def __call__(self, sl: Slot) -> int:
+        i = self.index.get(sl)
+        if i is None:
+            i = self.index[sl] = len(self.slots)
+            self.slots.append(_slot(sl))
+        return i
+
+
+def _head(plan: Plan) -> dict[str, Any]:
+    return {"format": FORMAT,
+            "src": plan.src_name, "dst": plan.dst_name,
+            "src_devices": list(plan.src_devices), "dst_devices": list(plan.dst_devices),
+            "budget_bytes": plan.budget_bytes,
+            "derived": list(plan.derived),
+            "summary": dict(plan.stats),
+            "order": [{d: list(ix) for d, ix in r.device_order().items()} for r in plan.rounds]}
+
+
 def plan_to_json(plan: Plan, src_spec: dict | None = None,
                  dst_spec: dict | None = None) -> dict[str, Any]:
     """A JSON-able document of ``plan`` (format ``dynatrain.plan/3``).
@@ -43,37 +76,88 @@ def plan_to_json(plan: Plan, src_spec: dict | None = None,
     documents, the destination with the devices the plan placed it on) make the file
     self-contained: ``dynatrain verify`` needs nothing else.
     """
-    slots: list[list] = []
-    index: dict[Slot, int] = {}
-
-    def slot_ref(sl: Slot) -> int:
-        i = index.get(sl)
-        if i is None:
-            i = index[sl] = len(slots)
-            slots.append(_slot(sl))
-        return i
-
-    doc: dict[str, Any] = {
-        "format": FORMAT,
-        "src": plan.src_name, "dst": plan.dst_name,
-        "src_devices": list(plan.src_devices), "dst_devices": list(plan.dst_devices),
-        "budget_bytes": plan.budget_bytes,
-        "derived": list(plan.derived),
-        "summary": dict(plan.stats),
-        "order": [{d: list(ix) for d, ix in r.device_order().items()} for r in plan.rounds],
-        "rounds": [[{
-            "src_device": m.src_device, "dst_device": m.dst_device,
-            "transfers": [[t.key, list(t.kinds), _box(t.box), t.src_rank, t.dst_rank,
-                           slot_ref(t.src_slot), _box(t.src_anchor), slot_ref(t.dst_slot),
-                           _box(t.dst_anchor), t.nbytes] for t in m.transfers],
-        } for m in r.messages] for r in plan.rounds],
-        "slots": slots,
-    }
+    table = _SlotTable()
+    doc = _head(plan)
+    with cycle_collector_paused():
+        doc["rounds"] = [[_message_doc(m, table) for m in r.messages] for r in plan.rounds]
+    doc["slots"] = table.slots
     if src_spec is not None:
         doc["src_spec"] = src_spec
     if dst_spec is not None:
         doc["dst_spec"] = dst_spec
     return doc
+
+
+class _TransferText:
+    """``_message_doc`` encoded straight to its compact JSON text (the same characters as
+    ``json.dumps``: keys, kinds and devices through it, memoized; integers as ``str``; a
+    box's text memoized per object, since a region's anchor repeats in every transfer cut
+    from it). Building the lists and encoding them took longer than planning."""
+
+    def __init__(self, table: _SlotTable, enc) -> None:
+        self.table, self.enc = table, enc
+        self.strings: dict[object, str] = {}
+        self.boxes: dict[int, tuple[Box, str]] = {}
+
+    def _s(self, x: object) -> str:
+        t = self.strings.get(x)
+        if t is None:
+            t = self.strings[x] = self.enc(list(x) if isinstance(x, tuple) else x)
+        return t
+
+    def _box(self, b: Box) -> str:
+        hit = self.boxes.get(id(b))
+        if hit is None or hit[0] is not b:  # the entry keeps ``b`` alive: its id stays its
+            text = f"[[{','.join(map(str, b.lo))}],[{','.join(map(str, b.hi))}]]"
+            if len(self.boxes) > 1 << 16:  # anchors repeat nearby; bound the memo
+                self.boxes.clear()
+            self.boxes[id(b)] = (b, text)
+            return text
+        return hit[1]
+
+    def message(self, m: Message) -> str:
+        s, ref = self._s, self.table
+        ts = ",".join([
+            f"[{s(t.key)},{s(t.kinds)},[[{','.join(map(str, t.box.lo))}],"
+            f"[{','.join(map(str, t.box.hi))}]],{t.src_rank},{t.dst_rank},{ref(t.src_slot)},"
+            f"{self._box(t.src_anchor)},{ref(t.dst_slot)},{self._box(t.dst_anchor)},{t.nbytes}]"
+            for t in m.transfers])
+        return (f'{{"src_device":{s(m.src_device)},"dst_device":{s(m.dst_device)},'
+                f'"transfers":[{ts}]}}')
+
+
+STREAM_BATCH = 1024  # messages encoded per json.dumps call while streaming
+
+
+def write_plan_json(plan: Plan, out: TextIO, src_spec: dict | None = None,
+                    dst_spec: dict | None = None) -> None:
+    """Write ``plan_to_json(plan, src_spec, dst_spec)`` to ``out`` as compact JSON (the same
+    bytes as ``json.dump(..., separators=(",", ":"))``), a batch of messages at a time: the
+    whole document of a plan with millions of transfers is never held in memory."""
+    with cycle_collector_paused():  # millions of short-lived acyclic lists
+        _write_plan_json(plan, out, src_spec, dst_spec)
+
+
+def _write_plan_json(plan: Plan, out: TextIO, src_spec: dict | None,
+                     dst_spec: dict | None) -> None:
+    def enc(x: Any) -> str:
+        return json.dumps(x, separators=(",", ":"))
+
+    table = _SlotTable()
+    head = _head(plan)
+    text = _TransferText(table, enc)
+    out.write("{" + ",".join(f"{enc(k)}:{enc(v)}" for k, v in head.items()) + ',"rounds":[')
+    for i, r in enumerate(plan.rounds):
+        out.write(",[" if i else "[")
+        for j in range(0, len(r.messages), STREAM_BATCH):
+            batch = [text.message(m) for m in r.messages[j:j + STREAM_BATCH]]
+            out.write(("," if j else "") + ",".join(batch))
+        out.write("]")
+    out.write('],"slots":' + enc(table.slots))
+    for key, spec in (("src_spec", src_spec), ("dst_spec", dst_spec)):
+        if spec is not None:
+            out.write(f",{enc(key)}:{enc(spec)}")
+    out.write("}")
 
 
 def plan_from_json(doc: Any) -> Plan:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..ir.box import Box
 from ..ir.slots import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, members
 from .plan import Plan
@@ -47,19 +49,25 @@ def slot_text(slot: Slot, anchor: Box | None = None, box: Box | None = None) -> 
 
 def plan_to_text(plan: Plan, transfers: bool = True) -> str:
     """Every round and message of ``plan``; with ``transfers``, every transfer too."""
-    lines = [f"plan {plan.src_name} -> {plan.dst_name}, budget {_size(plan.budget_bytes)}"
-             f", {len(plan.rounds)} rounds"]
+    return "".join(plan_text_lines(plan, transfers))
+
+
+def plan_text_lines(plan: Plan, transfers: bool = True) -> Iterator[str]:
+    """``plan_to_text`` a line at a time (each ending in a newline), for writing a plan with
+    millions of transfers without holding its text."""
+    yield (f"plan {plan.src_name} -> {plan.dst_name}, budget {_size(plan.budget_bytes)}"
+           f", {len(plan.rounds)} rounds\n")
     if plan.derived:
-        lines.append(f"derived on the destination: {', '.join(plan.derived)}")
+        yield f"derived on the destination: {', '.join(plan.derived)}\n"
     for i, rnd in enumerate(plan.rounds):
-        lines.append(f"round {i}: {len(rnd.messages)} messages")
+        yield f"round {i}: {len(rnd.messages)} messages\n"
         for m in rnd.messages:
             how = "local copy" if m.local else "send"
-            lines.append(f"  {how} {m.src_device} -> {m.dst_device}: {_size(m.nbytes)}, "
-                         f"{len(m.transfers)} transfers")
+            yield (f"  {how} {m.src_device} -> {m.dst_device}: {_size(m.nbytes)}, "
+                   f"{len(m.transfers)} transfers\n")
             if transfers:
                 for t in m.transfers:
-                    lines.append(f"    {t.key}{t.box} [{','.join(t.kinds)}] "
-                                 f"r{t.src_rank} {slot_text(t.src_slot, t.src_anchor, t.box)} -> "
-                                 f"r{t.dst_rank} {slot_text(t.dst_slot, t.dst_anchor, t.box)}  {_size(t.nbytes)}")
-    return "\n".join(lines) + "\n"
+                    yield (f"    {t.key}{t.box} [{','.join(t.kinds)}] "
+                           f"r{t.src_rank} {slot_text(t.src_slot, t.src_anchor, t.box)} -> "
+                           f"r{t.dst_rank} {slot_text(t.dst_slot, t.dst_anchor, t.box)}  "
+                           f"{_size(t.nbytes)}\n")

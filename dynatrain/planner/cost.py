@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..ir.errors import SpecError
-from .plan import Message, Plan, Round
+from .plan import Message, Plan
 from .sources import node_of
 
 
@@ -177,10 +177,6 @@ def staging_peak(per_dev: dict[str, LinkBytes]) -> int:
 
 def _busiest(per_dev: dict[str, LinkBytes], topo: Topology) -> float:
     return max((lb.seconds(topo) for lb in per_dev.values()), default=0.0)
-
-
-def round_seconds(rnd: Round, topo: Topology) -> float:
-    return topo.latency_us * 1e-6 + _busiest(link_bytes(rnd.messages), topo)
 
 
 def predicted_seconds(plan: Plan, topo: Topology) -> float:

@@ -92,14 +92,11 @@ class _Side:
                 hit[o].append(r)
         return hit
 
-    def _leads(self, pp: int, ep: int) -> dict[str, np.ndarray | None]:
-        return _stage_leads(self.layout, pp, ep)
-
     def _may_hold(self, stage: tuple[int, int], sets: dict[str, "_BoxSet"]) -> bool:
         """Whether the parameters of classes of ``stage`` (pp, ep) may overlap ``sets``, judged
         by keys and leading indices alone (never False where they do: ``params_of`` then
         decides)."""
-        leads = self._leads(*stage)
+        leads = _stage_leads(self.layout, *stage)
         for key, boxes in sets.items():
             if key in leads and (leads[key] is None or boxes.meets_leads(leads[key])):
                 return True

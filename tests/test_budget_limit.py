@@ -25,7 +25,7 @@ from dynatrain.planner.pipeline import check_compatible, plan_transition
 from dynatrain.planner.schedule import (MAX_ROUNDS, MAX_SCHEDULE_STEPS, STEPS_PER_PAIR,
                                         BudgetTooSmall, Demand, _round_up, check_budget)
 from dynatrain.planner.sources import pick_sources
-from dynatrain.planner.spread import global_spread, pairs_by_device, rounds_of
+from dynatrain.planner.spread import PairPhase, global_spread, pairs_by_device, rounds_of
 from dynatrain.verify.check import verify
 
 TINY = ("specs/tiny-gpt/tp2-dp2.yaml", "specs/tiny-gpt/pp2-dp2.yaml")
@@ -151,7 +151,7 @@ def test_the_smallest_budget_is_exact_and_the_suggestion_one_decimal_above(pair)
 def test_rounds_and_messages_bounds_never_exceed_the_real_plan(budget) -> None:
     picked, src_devices, dst_devices = transfers(TINY)
     need = check_budget(picked, src_devices, dst_devices, budget)
-    pairs, local = pairs_by_device(picked, src_devices, dst_devices)
+    pairs, local = pairs_by_device(picked, src_devices, dst_devices, PairPhase(*layouts(TINY)))
     unit, n = global_spread(pairs, budget)
     rounds = rounds_of(pairs.values(), local, unit, n)
     messages = [m for r in rounds for m in r.messages if not m.local]

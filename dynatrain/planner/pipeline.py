@@ -23,7 +23,7 @@ from .place import auto_place
 from .plan import Plan
 from .schedule import check_budget
 from .sources import pick_sources
-from .spread import global_spread, pairs_by_device, rounds_of
+from .spread import PairPhase, global_spread, pairs_by_device, rounds_of
 
 Trace = Callable[[str, Any, float], None]
 
@@ -133,7 +133,8 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
     transfers, lower_bytes = step("pick_sources", lambda: pick_sources(
         inter, src.devices, dst.devices, dtypes, replica_of(dst)))
     step("budget", lambda: check_budget(transfers, src.devices, dst.devices, budget_bytes))
-    pairs, local = step("pairs", lambda: pairs_by_device(transfers, src.devices, dst.devices))
+    pairs, local = step("pairs", lambda: pairs_by_device(transfers, src.devices, dst.devices,
+                                                         PairPhase(src, dst)))
     unit, n = step("agree_rounds", lambda: global_spread(pairs, budget_bytes))
     rounds = step("rounds", lambda: rounds_of(pairs.values(), local, unit, n))
     plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,

@@ -47,7 +47,7 @@ from .intersect import Answer, Holders, PlanError, _answer, _Index
 from .plan import Plan, Transfer
 from .sources import (CandidateCache, ElemBytes, node_of, part_offset, part_transfers,
                       remote_pieces)
-from .spread import Agree, Pair, agree_spread, canonical, rounds_of
+from .spread import Agree, Pair, PairPhase, agree_spread, canonical, rounds_of
 
 Model = tuple[int, int, int, int]  # (pp, tp, ep, etp): ranks that hold the same parameters
 
@@ -560,8 +560,12 @@ def slice_pairs(src: Layout, dst: Layout, device: str) -> SlicePairs:
         (local if s_dev == device else in_pairs[s_dev]).append(t)
     for t in sends:
         out_pairs[dst.devices[t.dst_rank]].append(t)
-    return SlicePairs(device, tuple(Pair(device, d, ts) for d, ts in sorted(out_pairs.items())),
-                      tuple(Pair(s, device, ts) for s, ts in sorted(in_pairs.items())),
+    phase = PairPhase(src, dst)
+
+    def pair(s: str, d: str, ts: list[Transfer]) -> Pair:
+        return Pair(s, d, ts, phase(ts[0].src_rank, ts[0].dst_rank))
+    return SlicePairs(device, tuple(pair(device, d, ts) for d, ts in sorted(out_pairs.items())),
+                      tuple(pair(s, device, ts) for s, ts in sorted(in_pairs.items())),
                       tuple(canonical(local)), time.perf_counter() - t0)
 
 

@@ -19,15 +19,41 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from ..ir.layout import Layout
 from .intersect import PlanError
 from .plan import Message, Round, Transfer, message_order
 from .schedule import MAX_ROUNDS, _sub, unit_bytes
 
 
+class PairPhase:
+    """A per-pair phase in [0, 2**32), so that small pairs land in different rounds.
 
-def pair_phase(src_device: str, dst_device: str) -> int:
-    """A per-pair phase in [0, 2**32): small pairs land in different rounds."""
-    return zlib.crc32(f"{src_device}>{dst_device}".encode())
+    A function of where the two ranks sit, not of device names: the (TP, PP) position of
+    each and how far apart their data-parallel-with-context indices are (mod the source's
+    group size). All pairs of one device differ in that triple, so they get different
+    phases; and moving every receiver of one position k replicas along while its senders
+    move k along too keeps every phase, so data-parallel replicas fed by a rotation over
+    the source replicas are cut into rounds alike (``planner.symmetry`` plans them once).
+    """
+
+    def __init__(self, src: Layout, dst: Layout) -> None:
+        self.src, self.dst = src, dst
+        self.n = src.dp * src.parallel.cp
+        self._src: dict[int, tuple[str, int]] = {}  # rank -> (position, replica index)
+        self._dst: dict[int, tuple[str, int]] = {}
+
+    @staticmethod
+    def _where(layout: Layout, memo: dict[int, tuple[str, int]], rank: int) -> tuple[str, int]:
+        w = memo.get(rank)
+        if w is None:
+            c = layout.coords(rank)
+            w = memo[rank] = (f"{c.tp},{c.pp}", c.dp_cp)
+        return w
+
+    def __call__(self, src_rank: int, dst_rank: int) -> int:
+        sp, si = self._where(self.src, self._src, src_rank)
+        dp, di = self._where(self.dst, self._dst, dst_rank)
+        return zlib.crc32(f"{sp}>{dp}|{(si - di) % self.n}".encode())
 
 
 def canonical(transfers: Iterable[Transfer]) -> list[Transfer]:
@@ -154,7 +180,7 @@ class Pair:
     __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "_cache", "_edges",
                  "_loads")
 
-    def __init__(self, src: str, dst: str, transfers: list[Transfer]) -> None:
+    def __init__(self, src: str, dst: str, transfers: list[Transfer], phase: int) -> None:
         self.src, self.dst = src, dst
         self.transfers = canonical(transfers)
         self.nbytes = sum(t.nbytes for t in self.transfers)
@@ -164,7 +190,7 @@ class Pair:
             if (t.key, t.kinds) not in per:
                 per[(t.key, t.kinds)] = t.nbytes // t.box.numel
         self.elem = max(per.values(), default=0)
-        self.phase = pair_phase(src, dst)
+        self.phase = phase
         self._cache: tuple[int, list[list[Transfer]]] | None = None
         self._edges: tuple[int, int, list[int]] | None = None
         self._loads: tuple[int, int, list[int]] | None = None
@@ -254,9 +280,10 @@ def agree_spread(out_pairs: list[Pair], in_pairs: list[Pair], budget: int, agree
 
 
 def pairs_by_device(transfers: Iterable[Transfer], src_devices: tuple[str, ...],
-                    dst_devices: tuple[str, ...]
+                    dst_devices: tuple[str, ...], phase: Callable[[int, int], int]
                     ) -> tuple[dict[tuple[str, str], Pair], dict[str, list[Transfer]]]:
-    """Remote pairs, and each device's local copies, from a list of transfers."""
+    """Remote pairs, and each device's local copies, from a list of transfers
+    (``phase(src_rank, dst_rank)``: a ``PairPhase``)."""
     by_pair: dict[tuple[str, str], list[Transfer]] = {}
     for t in transfers:
         by_pair.setdefault((src_devices[t.src_rank], dst_devices[t.dst_rank]), []).append(t)
@@ -265,7 +292,7 @@ def pairs_by_device(transfers: Iterable[Transfer], src_devices: tuple[str, ...],
         if s == d:
             local[s] = canonical(ts)
         else:
-            pairs[(s, d)] = Pair(s, d, ts)
+            pairs[(s, d)] = Pair(s, d, ts, phase(ts[0].src_rank, ts[0].dst_rank))
     return pairs, local
 
 
@@ -290,12 +317,41 @@ def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int,
         r = nxt
 
 
+def shape_of(p: Pair) -> tuple:
+    """What ``split`` reads of a pair: its phase and its transfers but their two ranks (every
+    transfer of a pair has the same two). Slots and anchors by identity: pairs of replicas
+    fed from one answer share those objects; equal values in other objects only miss a
+    twin."""
+    return (p.phase, *[(t.key, t.kinds, t.box.lo, t.box.hi, id(t.src_slot), id(t.src_anchor),
+                        id(t.dst_slot), id(t.dst_anchor)) for t in p.transfers])
+
+
+def _moved(chunks: list[list[Transfer]], src_rank: int, dst_rank: int
+           ) -> list[list[Transfer]]:
+    """A twin's chunks with this pair's two ranks."""
+    new = tuple.__new__  # a Transfer built field by field: 3x faster than _replace
+    return [[new(Transfer, (t[0], t[1], t[2], src_rank, dst_rank, t[5], t[6], t[7], t[8], t[9]))
+             for t in c] for c in chunks]
+
+
 def rounds_of(pairs: Iterable[Pair], local: dict[str, list[Transfer]], unit: int,
               rounds: int) -> list[Round]:
-    """The plan's rounds: chunk i of every pair in round i, local copies in round 0."""
+    """The plan's rounds: chunk i of every pair in round i, local copies in round 0.
+
+    Pairs of the same shape (``shape_of``: data-parallel replicas of one position fed by the
+    same rotation, see ``PairPhase``) are cut alike, so each shape is split once and its
+    twins take its chunks with their own ranks: the symmetric ranks of a switch are planned
+    once (a test compares with splitting every pair)."""
     per: list[list[Message]] = [[] for _ in range(rounds)]
+    twins: dict[tuple, Pair] = {}
     for p in pairs:
-        for i, c in enumerate(p.chunks(rounds, unit)):
+        first = twins.setdefault(shape_of(p), p)
+        if first is p:
+            chunks = p.chunks(rounds, unit)
+        else:
+            head = p.transfers[0]
+            chunks = _moved(first.chunks(rounds, unit), head.src_rank, head.dst_rank)
+        for i, c in enumerate(chunks):
             if c:
                 per[i].append(Message(p.src, p.dst, tuple(c)))
     for dev, ts in local.items():

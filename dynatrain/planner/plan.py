@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import itemgetter
 from typing import NamedTuple
 
 from ..ir.box import Box
@@ -41,6 +42,9 @@ class Transfer(NamedTuple):
         return f"{self.key}{self.box} [{','.join(self.kinds)}] r{self.src_rank}->r{self.dst_rank}"
 
 
+_NBYTES = itemgetter(9)  # Transfer.nbytes, read without a generator frame per transfer
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     """All transfers from one source device to one destination device in a round."""
@@ -53,7 +57,7 @@ class Message:
     nbytes: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "nbytes", sum(t.nbytes for t in self.transfers))
+        object.__setattr__(self, "nbytes", sum(map(_NBYTES, self.transfers)))
 
     @property
     def local(self) -> bool:

@@ -2,10 +2,11 @@
 
 A pair's phase (``PairPhase``) depends on the two ranks' (TP, PP) positions and on how far
 apart their data-parallel indices are, so the pairs that feed the replicas of one position
-through ``sources``' rotation have equal shapes (``shape_of``) and ``rounds_of`` splits
-each shape once. The plan must be exactly the one that splitting every pair alone gives, on
-the correctness gate's random layouts and on shipped data-parallel switches, and the sharing
-must happen where the symmetry is (else the test above would hold vacuously).
+through ``sources``' rotation have equal shapes (``shape_of``), and ``link_twins`` lets
+the planner split each shape once. The plan must be exactly the one that splitting every
+pair alone gives, on the correctness gate's random layouts and on shipped data-parallel
+switches, and the sharing must happen where the symmetry is (else the comparison could
+hold vacuously).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ QWEN_235B = ("specs/qwen3-235b-a22b/tp4-pp8-ep16-256gpu.yaml",
 
 
 def fresh_pairs(src: Layout, dst: Layout) -> dict[tuple[str, str], Pair]:
-    """The plan's remote pairs, built anew (a ``Pair`` caches its chunks)."""
+    """The plan's remote pairs, built anew (a ``Pair`` caches its chunks), twins linked."""
     sv, dv = transition_views(src, dst)
     derived = ("param",) if dst.spec.state.derive_param else ()
     picked, _ = pick_sources(intersect(sv, dv, derived), src.devices, dst.devices,
@@ -39,13 +40,17 @@ def fresh_pairs(src: Layout, dst: Layout) -> dict[tuple[str, str], Pair]:
     return pairs_by_device(picked, src.devices, dst.devices, PairPhase(src, dst))[0]
 
 
-def check_each_pair_alone(src: Layout, dst: Layout, budget: int) -> dict:
-    """The plan's remote messages equal every pair split on its own; returns the pairs."""
+def check_each_pair_alone(src: Layout, dst: Layout, budget: int) -> tuple[dict, int]:
+    """The plan's remote messages equal every pair split on its own; returns the pairs and
+    how many of them the planner cut as another pair's twin."""
     plan = plan_transition(src, dst, budget)
     unit, n = plan.stats["spread"]
     got = {(i, m.src_device, m.dst_device): m.transfers
            for i, r in enumerate(plan.rounds) for m in r.messages if not m.local}
     pairs = fresh_pairs(src, dst)
+    twins = sum(p.twin is not None for p in pairs.values())
+    for p in pairs.values():
+        p.twin = None  # every pair split on its own
     want = {}
     for (s, d), p in pairs.items():
         for i, chunk in enumerate(p.chunks(n, unit)):
@@ -54,7 +59,7 @@ def check_each_pair_alone(src: Layout, dst: Layout, budget: int) -> dict:
     assert got.keys() == want.keys()
     for k, ts in want.items():
         assert got[k] == ts, k
-    return pairs
+    return pairs, twins
 
 
 @settings(max_examples=40)
@@ -82,8 +87,9 @@ def test_data_parallel_switches_share_shapes_and_match_the_explicit_cut() -> Non
     # makes their pairs unique; it must still match.
     for (src, dst), most in (((llama70b(512), llama70b(384)), 0.6),
                              (layouts(LLAMA_70B_DP3), 1.0), (layouts(LLAMA_70B_PP8), 1.0)):
-        pairs = check_each_pair_alone(src, dst, 2 << 30)
+        pairs, twins = check_each_pair_alone(src, dst, 2 << 30)
         shapes = {shape_of(p) for p in pairs.values()}
+        assert len(shapes) == len(pairs) - twins
         assert len(shapes) <= most * len(pairs), (src, len(shapes), len(pairs))
 
 

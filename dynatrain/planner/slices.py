@@ -47,7 +47,7 @@ from .intersect import Answer, Holders, PlanError, _answer, _Index
 from .plan import Plan, Transfer
 from .sources import (CandidateCache, ElemBytes, node_of, part_offset, part_transfers,
                       remote_pieces)
-from .spread import Agree, Pair, PairPhase, agree_spread, canonical, rounds_of
+from .spread import Agree, Pair, PairPhase, agree_spread, canonical, link_twins, rounds_of
 
 Model = tuple[int, int, int, int]  # (pp, tp, ep, etp): ranks that hold the same parameters
 
@@ -564,8 +564,10 @@ def slice_pairs(src: Layout, dst: Layout, device: str) -> SlicePairs:
 
     def pair(s: str, d: str, ts: list[Transfer]) -> Pair:
         return Pair(s, d, ts, phase(ts[0].src_rank, ts[0].dst_rank))
-    return SlicePairs(device, tuple(pair(device, d, ts) for d, ts in sorted(out_pairs.items())),
-                      tuple(pair(s, device, ts) for s, ts in sorted(in_pairs.items())),
+    outs = tuple(pair(device, d, ts) for d, ts in sorted(out_pairs.items()))
+    ins = tuple(pair(s, device, ts) for s, ts in sorted(in_pairs.items()))
+    link_twins((*outs, *ins))
+    return SlicePairs(device, outs, ins,
                       tuple(canonical(local)), time.perf_counter() - t0)
 
 

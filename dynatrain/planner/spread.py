@@ -175,10 +175,14 @@ def _whole_index_cuts(t: Transfer, chunks: list[list[Transfer]], edges: list[int
 
 
 class Pair:
-    """One remote (source device, destination device) pair and its transfers."""
+    """One remote (source device, destination device) pair and its transfers.
 
-    __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "_cache", "_edges",
-                 "_loads")
+    ``twin``: an earlier pair of the same shape (``link_twins``), or None. A twin has the
+    same edges and loads and is cut into the same chunks, with its own two ranks; only the
+    first pair of each shape is split."""
+
+    __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "twin", "_cache",
+                 "_edges", "_loads")
 
     def __init__(self, src: str, dst: str, transfers: list[Transfer], phase: int) -> None:
         self.src, self.dst = src, dst
@@ -191,12 +195,15 @@ class Pair:
                 per[(t.key, t.kinds)] = t.nbytes // t.box.numel
         self.elem = max(per.values(), default=0)
         self.phase = phase
+        self.twin: Pair | None = None
         self._cache: tuple[int, list[list[Transfer]]] | None = None
         self._edges: tuple[int, int, list[int]] | None = None
         self._loads: tuple[int, int, list[int]] | None = None
 
     def edges(self, rounds: int, unit: int) -> list[int]:
         """``bounds`` of this pair (asked by both its devices' ``_fits`` and by ``chunks``)."""
+        if self.twin is not None:
+            return self.twin.edges(rounds, unit)
         e = self._edges
         if e is None or e[0] != rounds or e[1] != unit:
             e = self._edges = (rounds, unit, bounds(self.nbytes, rounds, unit, self.phase))
@@ -205,6 +212,8 @@ class Pair:
     def loads(self, rounds: int, unit: int) -> list[int]:
         """The most bytes each chunk may hold: its edges' difference plus twice the
         tolerance, at most the pair (``split``'s bound), 0 for an empty chunk."""
+        if self.twin is not None:
+            return self.twin.loads(rounds, unit)
         c = self._loads
         if c is None or c[0] != rounds or c[1] != unit:
             e = self.edges(rounds, unit)
@@ -219,9 +228,43 @@ class Pair:
 
     def chunks(self, rounds: int, unit: int) -> list[list[Transfer]]:
         if self._cache is None or self._cache[0] != rounds:
-            self._cache = (rounds, split(self.transfers, self.edges(rounds, unit),
-                                         self.tolerance(unit)))
+            if self.twin is not None:
+                head = self.transfers[0]
+                cut = _moved(self.twin.chunks(rounds, unit), head.src_rank, head.dst_rank)
+            else:
+                cut = split(self.transfers, self.edges(rounds, unit), self.tolerance(unit))
+            self._cache = (rounds, cut)
         return self._cache[1]
+
+
+def shape_of(p: Pair) -> tuple:
+    """What ``split`` reads of a pair: its phase and its transfers but their two ranks (every
+    transfer of a pair has the same two). Slots and anchors by identity: pairs of replicas
+    fed from one answer share those objects; equal values in other objects only miss a
+    twin."""
+    return (p.phase, *[(t.key, t.kinds, t.box.lo, t.box.hi, id(t.src_slot), id(t.src_anchor),
+                        id(t.dst_slot), id(t.dst_anchor)) for t in p.transfers])
+
+
+def link_twins(pairs: Iterable[Pair]) -> None:
+    """Point every pair at the first earlier pair of its shape (``Pair.twin``).
+
+    Pairs of one shape are cut alike: ``split`` reads only a pair's transfers (ranks aside),
+    its bytes and its phase. The data-parallel replicas of one position fed by the same
+    rotation over the source replicas have such pairs (``PairPhase``), so the symmetric
+    ranks of a switch are cut once (a test compares with splitting every pair alone)."""
+    first: dict[tuple, Pair] = {}
+    for p in pairs:
+        f = first.setdefault(shape_of(p), p)
+        p.twin = None if f is p else f
+
+
+def _moved(chunks: list[list[Transfer]], src_rank: int, dst_rank: int
+           ) -> list[list[Transfer]]:
+    """A twin's chunks with this pair's two ranks."""
+    new = tuple.__new__  # a Transfer built field by field: 3x faster than _replace
+    return [[new(Transfer, (t[0], t[1], t[2], src_rank, dst_rank, t[5], t[6], t[7], t[8], t[9]))
+             for t in c] for c in chunks]
 
 
 def _fits(pairs: list[Pair], rounds: int, unit: int, half: int) -> bool:
@@ -293,6 +336,7 @@ def pairs_by_device(transfers: Iterable[Transfer], src_devices: tuple[str, ...],
             local[s] = canonical(ts)
         else:
             pairs[(s, d)] = Pair(s, d, ts, phase(ts[0].src_rank, ts[0].dst_rank))
+    link_twins(pairs.values())
     return pairs, local
 
 
@@ -317,41 +361,12 @@ def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int,
         r = nxt
 
 
-def shape_of(p: Pair) -> tuple:
-    """What ``split`` reads of a pair: its phase and its transfers but their two ranks (every
-    transfer of a pair has the same two). Slots and anchors by identity: pairs of replicas
-    fed from one answer share those objects; equal values in other objects only miss a
-    twin."""
-    return (p.phase, *[(t.key, t.kinds, t.box.lo, t.box.hi, id(t.src_slot), id(t.src_anchor),
-                        id(t.dst_slot), id(t.dst_anchor)) for t in p.transfers])
-
-
-def _moved(chunks: list[list[Transfer]], src_rank: int, dst_rank: int
-           ) -> list[list[Transfer]]:
-    """A twin's chunks with this pair's two ranks."""
-    new = tuple.__new__  # a Transfer built field by field: 3x faster than _replace
-    return [[new(Transfer, (t[0], t[1], t[2], src_rank, dst_rank, t[5], t[6], t[7], t[8], t[9]))
-             for t in c] for c in chunks]
-
-
 def rounds_of(pairs: Iterable[Pair], local: dict[str, list[Transfer]], unit: int,
               rounds: int) -> list[Round]:
-    """The plan's rounds: chunk i of every pair in round i, local copies in round 0.
-
-    Pairs of the same shape (``shape_of``: data-parallel replicas of one position fed by the
-    same rotation, see ``PairPhase``) are cut alike, so each shape is split once and its
-    twins take its chunks with their own ranks: the symmetric ranks of a switch are planned
-    once (a test compares with splitting every pair)."""
+    """The plan's rounds: chunk i of every pair in round i, local copies in round 0."""
     per: list[list[Message]] = [[] for _ in range(rounds)]
-    twins: dict[tuple, Pair] = {}
     for p in pairs:
-        first = twins.setdefault(shape_of(p), p)
-        if first is p:
-            chunks = p.chunks(rounds, unit)
-        else:
-            head = p.transfers[0]
-            chunks = _moved(first.chunks(rounds, unit), head.src_rank, head.dst_rank)
-        for i, c in enumerate(chunks):
+        for i, c in enumerate(p.chunks(rounds, unit)):
             if c:
                 per[i].append(Message(p.src, p.dst, tuple(c)))
     for dev, ts in local.items():

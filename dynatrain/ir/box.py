@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import add
+from math import prod
+from operator import add, sub
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -23,10 +24,7 @@ class Box:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for l, h in zip(self.lo, self.hi):
-            n *= h - l
-        return n
+        return prod(map(sub, self.hi, self.lo))  # 1 for a 0-d box, as the empty product
 
     def __and__(self, other: "Box") -> "Box | None":
         lo = tuple(map(max, self.lo, other.lo))

@@ -131,9 +131,6 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
     s_world, d_world = src.layout.world, dst.layout.world
     s_dev, d_dev = plan.src_devices, plan.dst_devices
     held: dict[tuple, tuple[str, ...] | None] = {}  # source lookups, None: not held
-    # Box-in-anchor element counts by identity: the replicas of a part, and the twins that
-    # ``spread`` cuts alike, share their box and anchor objects (the plan keeps them alive).
-    counted: dict[tuple[int, int], int] = {}
     sizes = elem_bytes.memo
     writes: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
     count = 0
@@ -167,10 +164,15 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
                     s = s_hold.find(sr, (key, s_slot, anchor))
                     kinds = held[where] = (s.kinds if s is not None
                                            and set(kinds_t) <= set(s.kinds) else None)
-                n = counted.get((id(box), id(anchor)))
-                if n is None:
-                    n = counted[(id(box), id(anchor))] = _numel_inside(box, anchor)
-                fits = kinds is not None and n > 0
+                lo, hi = box.lo, box.hi
+                n = 1
+                fits = kinds is not None and len(lo) == len(anchor.lo) == len(hi)
+                if fits:
+                    for l, h, a, z in zip(lo, hi, anchor.lo, anchor.hi):
+                        if not a <= l < h <= z:
+                            fits = False
+                            break
+                        n *= h - l
                 if not fits:
                     s = s_hold.find(sr, (key, s_slot, anchor))
                     _check_source(t, m_src, s.kinds if s is not None else None, emit)
@@ -182,7 +184,7 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
                     if nbytes != size * n:
                         emit(Violation("memory", f"round {r}: a transfer {box} declares {nbytes} "
                                        f"bytes but moves {size * n}", key, ",".join(kinds_t),
-                                       (sr, dr), (m_src, m_dst), box.lo))
+                                       (sr, dr), (m_src, m_dst), lo))
                 writes[(dr, (key, d_slot, d_anchor))].append(t)
             if m.src_device != m.dst_device:  # local copies go slot to slot: no staging
                 staged[m.src_device] += moved
@@ -196,19 +198,6 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
     _check_coverage(dst, d_hold, writes, _derivable(plan, dst, emit), expert_keys(dst), d_dev,
                     emit, unfilled, ranks)
     return count, staging
-
-
-def _numel_inside(box: Box, anchor: Box) -> int:
-    """``box``'s element count if it is a non-empty box inside ``anchor``, else 0."""
-    lo, hi = box.lo, box.hi
-    if not len(lo) == len(anchor.lo) == len(hi):
-        return 0
-    n = 1
-    for l, h, a, z in zip(lo, hi, anchor.lo, anchor.hi):
-        if not a <= l < h <= z:
-            return 0
-        n *= h - l
-    return n
 
 
 def _check_failed_destination(devices: tuple[str, ...], failed: frozenset[str],

@@ -355,12 +355,30 @@ def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int,
     r = max((least_rounds(outs.get(d, []), ins.get(d, []), budget // 2) for d in devices),
             default=1)
     while True:
-        nxt = max((fit_from(outs.get(d, []), ins.get(d, []), r, budget, unit)
-                   for d in devices), default=r)
+        nxt = _most_fit_from(devices, outs, ins, r, budget, unit)
         _too_many(nxt, budget)
         if nxt == r:
             return unit, r
         r = nxt
+
+
+def _most_fit_from(devices: list[str], outs: dict[str, list[Pair]], ins: dict[str, list[Pair]],
+                   rounds: int, budget: int, unit: int) -> int:
+    """The maximum over ``devices`` of ``fit_from(..., rounds, ...)``, a round count at a
+    time: every device is tried at R before any is tried at R + 1, so that a pair (or the
+    first of its twins, asked by every twin's devices) computes its loads once per R rather
+    than once per change of R between consecutive devices (at 98304 GPUs, 8M times)."""
+    half = budget // 2
+    r, pending = rounds, devices
+    while True:
+        pending = [d for d in pending
+                   if not (_fits(outs.get(d, []), r, unit, half)
+                           and _fits(ins.get(d, []), r, unit, half))]
+        if not pending:
+            return r
+        r += 1
+        if r > MAX_ROUNDS:
+            return MAX_ROUNDS + 1
 
 
 def rounds_of(pairs: Iterable[Pair], local: dict[str, list[Transfer]], unit: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from functools import cache
 
+import pytest
 from hypothesis import given, settings
 
 from dynatrain.ir.layout import Layout
@@ -109,5 +110,6 @@ def test_shifting_receiver_and_sender_replicas_together_keeps_the_phase() -> Non
     assert len({phase(s, 0) for s in range(src.world)}) == src.world
 
 
+@pytest.mark.slow  # 5 s; the gate's random transitions above include MoE layouts
 def test_moe_switch_matches_the_explicit_cut() -> None:
     check_each_pair_alone(*layouts(QWEN_235B), 2 << 30)

@@ -291,13 +291,25 @@ def fit_from(out_pairs: list[Pair], in_pairs: list[Pair], rounds: int, budget: i
              unit: int) -> int:
     """The fewest rounds >= ``rounds`` in which this device's chunks fit its budget
     (half for sending, half for receiving)."""
+    return most_fit_from([(out_pairs, in_pairs)], rounds, budget, unit)
+
+
+def most_fit_from(sides: list[tuple[list[Pair], list[Pair]]], rounds: int, budget: int,
+                  unit: int) -> int:
+    """The maximum of ``fit_from`` over devices given as (out pairs, in pairs), a round count
+    at a time: every device is tried at R before any is tried at R + 1, so that a pair (or the
+    first of its twins, asked by every twin's devices) computes its loads once per R rather
+    than once per change of R between consecutive devices (at 98304 GPUs, 8M times)."""
     half = budget // 2
-    r = rounds
-    while not (_fits(out_pairs, r, unit, half) and _fits(in_pairs, r, unit, half)):
+    r, pending = rounds, sides
+    while True:
+        pending = [(o, i) for o, i in pending
+                   if not (_fits(o, r, unit, half) and _fits(i, r, unit, half))]
+        if not pending:
+            return r
         r += 1
         if r > MAX_ROUNDS:  # returned, not raised: every device must see it (``agree``)
             return MAX_ROUNDS + 1
-    return r
 
 
 def _too_many(rounds: int, budget: int) -> None:
@@ -352,33 +364,14 @@ def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int,
     devices = sorted(set(outs) | set(ins))
     unit = unit_bytes(budget, max((len(v) for v in (*outs.values(), *ins.values())),
                                   default=1))
-    r = max((least_rounds(outs.get(d, []), ins.get(d, []), budget // 2) for d in devices),
-            default=1)
+    sides = [(outs.get(d, []), ins.get(d, [])) for d in devices]
+    r = max((least_rounds(o, i, budget // 2) for o, i in sides), default=1)
     while True:
-        nxt = _most_fit_from(devices, outs, ins, r, budget, unit)
+        nxt = most_fit_from(sides, r, budget, unit)
         _too_many(nxt, budget)
         if nxt == r:
             return unit, r
         r = nxt
-
-
-def _most_fit_from(devices: list[str], outs: dict[str, list[Pair]], ins: dict[str, list[Pair]],
-                   rounds: int, budget: int, unit: int) -> int:
-    """The maximum over ``devices`` of ``fit_from(..., rounds, ...)``, a round count at a
-    time: every device is tried at R before any is tried at R + 1, so that a pair (or the
-    first of its twins, asked by every twin's devices) computes its loads once per R rather
-    than once per change of R between consecutive devices (at 98304 GPUs, 8M times)."""
-    half = budget // 2
-    r, pending = rounds, devices
-    while True:
-        pending = [d for d in pending
-                   if not (_fits(outs.get(d, []), r, unit, half)
-                           and _fits(ins.get(d, []), r, unit, half))]
-        if not pending:
-            return r
-        r += 1
-        if r > MAX_ROUNDS:
-            return MAX_ROUNDS + 1
 
 
 def rounds_of(pairs: Iterable[Pair], local: dict[str, list[Transfer]], unit: int,

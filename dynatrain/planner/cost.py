@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -128,6 +129,41 @@ class LinkBytes:
 
 def link_bytes(messages: Iterable[Message]) -> dict[str, LinkBytes]:
     """Per device, the bytes ``messages`` move over each of its links."""
+    return _link_bytes((m.nbytes, m.src_device, m.dst_device) for m in messages)
+
+
+def class_link_bytes(body) -> tuple[dict[str, LinkBytes], ...]:
+    """``link_bytes`` of every round of a ``classes.ClassRounds``, from its classes' chunk
+    sizes and members (no message is built; numpy sums the millions of them, exactly)."""
+    sized = body.sized
+    node_ids: dict[str, int] = {}
+    node = np.array([node_ids.setdefault(node_of(d), len(node_ids)) for d in sized.devices],
+                    dtype=np.int64)
+    n_dev = len(sized.devices)
+    live = sized.count > 0
+    local = sized.src == sized.dst
+    intra = node[sized.src] == node[sized.dst]
+    out = []
+    for r in range(body.rounds):
+        here = live & (sized.round == r)
+        cols = []
+        for mask, ends in ((here & ~local & intra, (sized.src, sized.dst)),
+                           (here & ~local & ~intra, (sized.src, sized.dst)),
+                           (here & local, (sized.src,))):
+            for end in ends:
+                acc = np.zeros(n_dev, dtype=np.int64)
+                np.add.at(acc, end[mask], sized.nbytes[mask])
+                cols.append(acc)
+        present = np.zeros(n_dev, dtype=bool)
+        present[sized.src[here]] = True
+        present[sized.dst[here]] = True
+        rows = np.stack(cols, axis=1)[present].tolist()
+        out.append({sized.devices[d]: LinkBytes(*v)
+                    for d, v in zip(np.flatnonzero(present).tolist(), rows)})
+    return tuple(out)
+
+
+def _link_bytes(sized: Iterable[tuple[int, str, str]]) -> dict[str, LinkBytes]:
     acc: dict[str, list[int]] = {}
     node: dict[str, str] = {}  # node_of per device: asked twice per message otherwise
 
@@ -138,8 +174,7 @@ def link_bytes(messages: Iterable[Message]) -> dict[str, LinkBytes]:
             node[d] = node_of(d)
         return r
 
-    for m in messages:
-        n, s, d = m.nbytes, m.src_device, m.dst_device
+    for n, s, d in sized:
         rs = row(s)
         if s == d:
             rs[4] += n

@@ -23,7 +23,8 @@ from .place import auto_place
 from .plan import Plan
 from .schedule import check_budget
 from .sources import pick_sources
-from .spread import PairPhase, global_spread, pairs_by_device, rounds_of
+from .classes import LazyRounds, class_rounds
+from .spread import PairPhase, global_spread, pairs_by_device
 
 Trace = Callable[[str, Any, float], None]
 
@@ -136,27 +137,28 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
     pairs, local = step("pairs", lambda: pairs_by_device(transfers, src.devices, dst.devices,
                                                          PairPhase(src, dst)))
     unit, n = step("agree_rounds", lambda: global_spread(pairs, budget_bytes))
-    rounds = step("rounds", lambda: rounds_of(pairs.values(), local, unit, n))
+    body = step("rounds", lambda: class_rounds(pairs.values(), local, unit, n))
+    # Rounds are built from the classes when first read; the statistics need only sizes.
     plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,
-                tuple(rounds), budget_bytes, ("param",) if dst.spec.state.derive_param else ())
-    moved = local = messages = records = 0
-    for m in plan.messages():  # one pass: millions of messages on the largest switches
-        records += len(m.transfers)
-        if m.src_device == m.dst_device:
-            local += m.nbytes
-        else:
-            moved += m.nbytes
-            messages += 1
+                LazyRounds(body), budget_bytes,
+                ("param",) if dst.spec.state.derive_param else (), classes=body)
+    sized = body.sized  # millions of messages on the largest switches: summed by numpy
+    sent = sized.count > 0
+    local = sized.src == sized.dst
+    records = int(sized.count.sum())
+    copied = int(sized.nbytes[sent & local].sum())
+    moved = int(sized.nbytes[sent & ~local].sum())
+    messages = int((sent & ~local).sum())
     plan.stats.update(
         bytes_moved=moved,
         bytes_lower_bound=lower_bytes,
-        bytes_local=local,
+        bytes_local=copied,
         messages=messages,
         # Records of the plan, as its JSON, --text and `verify` count them; parts are what
         # pick_sources chose a sender for, before spread cut them into round chunks.
         transfers=records,
         parts=len(transfers),
-        rounds=len(rounds),
+        rounds=n,
         peak_staging_bytes=max((staging_peak(per) for per in plan.round_links), default=0),
         budget_bytes=budget_bytes,
         spread=[unit, n],  # what a device's slice needs besides the layouts (``slices``)

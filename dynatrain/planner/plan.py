@@ -112,6 +112,14 @@ class Plan:
     # rank's main params to the param dtype, then all-gather over DP (Megatron's param sync).
     derived: tuple[str, ...] = ()
     stats: dict = field(default_factory=dict, compare=False, hash=False)
+    # The rounds as classes of pairs cut alike (``classes.ClassRounds``), when ``rounds`` is
+    # built from them (``classes.LazyRounds``); None for rounds given any other way, so that a
+    # plan whose rounds were replaced is never read through classes that no longer describe it.
+    classes: object = field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.classes is not None and getattr(self.rounds, "body", None) is not self.classes:
+            object.__setattr__(self, "classes", None)
 
     def messages(self):
         for rnd in self.rounds:
@@ -122,5 +130,7 @@ class Plan:
         """Per round, the bytes each device moves over each of its links
         (``cost.link_bytes``), computed once: the cost model, the lower bound, the summary
         and ``--per-device`` all read it (a plan never changes)."""
-        from .cost import link_bytes  # cost imports this module
+        from .cost import class_link_bytes, link_bytes  # cost imports this module
+        if self.classes is not None:
+            return class_link_bytes(self.classes)
         return tuple(link_bytes(r.messages) for r in self.rounds)

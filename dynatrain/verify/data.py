@@ -81,6 +81,13 @@ class Holdings:
                 return s
         return None
 
+    def find_at(self, rank: int, target: Target) -> int:
+        """The index in ``view.parts(rank)`` of the first part holding ``target``; -1: none."""
+        for j, table in enumerate(self.tables(rank)):
+            if target in table:
+                return j
+        return -1
+
     def holds_point(self, rank: int, key: str, point: tuple[int, ...]) -> bool:
         return any(s.key == key and inside(Box(point, tuple(x + 1 for x in point)), s.box)
                    for s in self.view.stored(rank))
@@ -112,9 +119,8 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
     (remote messages, sent plus received), counted from the boxes and dtypes while here.
     Transfers are the plan's records, local copies included: what the plan file and ``--text``
     list, after the planner cut the parts it picked sources for to fit messages (a stacked
-    layer/expert family is one transfer). The loop runs once per transfer of plans with
-    hundreds of thousands of them, so the common case is inlined and the rest memoized:
-    element sizes per (key, kinds), source lookups per (rank, region).
+    layer/expert family is one transfer (``_Transfers`` checks each). A plan kept as classes
+    of pairs cut alike is checked a class at a time (``_check_classes``).
 
     ``declared``: failed source devices (nothing may be read from them or written to them)
     and the state the plan declares lost (left unwritten, if truly no survivor holds it).
@@ -127,65 +133,31 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
     if declared.lost:
         _check_declared_lost(src, plan.src_devices, declared, emit)
     s_hold, d_hold = Holdings(src), Holdings(dst)
-    elem_bytes = _ElementBytes(src, dst)
-    s_world, d_world = src.layout.world, dst.layout.world
-    s_dev, d_dev = plan.src_devices, plan.dst_devices
-    held: dict[tuple, tuple[str, ...] | None] = {}  # source lookups, None: not held
-    sizes = elem_bytes.memo
-    writes: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
+    body = plan.classes
+    if body is not None and not failed and only_rank is None:
+        # The fast path proves a correct plan; a plan it finds any fault in is checked again
+        # message by message, so that its report is the explicit one (same order, witnesses).
+        found: list[Violation] = []
+        out = _check_classes(plan, body, src, dst, _Transfers(plan, src, dst, s_hold,
+                                                              found.append),
+                             d_hold, declared, found.append)
+        if not found:
+            return out
+    checker = _Transfers(plan, src, dst, s_hold, emit)
+    writes = checker.writes
     count = 0
     staging: list[dict[str, int]] = []
     for r, rnd in enumerate(plan.rounds):
         staged: dict[str, int] = defaultdict(int)
         staging.append(staged)
         for m in rnd.messages:
-            moved = 0
             if failed and m.src_device in failed and m.transfers:
                 t = m.transfers[0]
                 emit(Violation("source", f"round {r}: reads from failed device {m.src_device} "
                                f"({len(m.transfers)} transfer(s) to {m.dst_device})", t.key,
                                ",".join(t.kinds), (t.src_rank,), (m.src_device,), t.box.lo))
-            m_src, m_dst = m.src_device, m.dst_device
             count += len(m.transfers)
-            for t in m.transfers:
-                key, kinds_t, box, sr, dr, s_slot, anchor, d_slot, d_anchor, nbytes = t
-                if not (0 <= sr < s_world and 0 <= dr < d_world):
-                    emit(Violation("source", f"is sent from rank {sr} to rank {dr}, outside the layouts "
-                                   f"(source world {s_world}, destination world {d_world})",
-                                   key, ",".join(kinds_t), (sr, dr), (), box.lo))
-                    continue
-                if s_dev[sr] != m_src or d_dev[dr] != m_dst:
-                    _wrong_device(r, m, t, s_dev, d_dev, emit)
-                # Keyed by identity: the plan keeps the slot and anchor objects alive, and
-                # transfers cut from one source region share them (equal copies only miss).
-                where = (sr, key, id(s_slot), id(anchor), kinds_t)
-                kinds = held.get(where, ())
-                if kinds == ():
-                    s = s_hold.find(sr, (key, s_slot, anchor))
-                    kinds = held[where] = (s.kinds if s is not None
-                                           and set(kinds_t) <= set(s.kinds) else None)
-                lo, hi = box.lo, box.hi
-                n = 1
-                fits = kinds is not None and len(lo) == len(anchor.lo) == len(hi)
-                if fits:
-                    for l, h, a, z in zip(lo, hi, anchor.lo, anchor.hi):
-                        if not a <= l < h <= z:
-                            fits = False
-                            break
-                        n *= h - l
-                if not fits:
-                    s = s_hold.find(sr, (key, s_slot, anchor))
-                    _check_source(t, m_src, s.kinds if s is not None else None, emit)
-                size = sizes.get((key, kinds_t), -1)
-                if size == -1:
-                    size = elem_bytes.get(t, emit)
-                if fits and size is not None:
-                    moved += size * n
-                    if nbytes != size * n:
-                        emit(Violation("memory", f"round {r}: a transfer {box} declares {nbytes} "
-                                       f"bytes but moves {size * n}", key, ",".join(kinds_t),
-                                       (sr, dr), (m_src, m_dst), lo))
-                writes[(dr, (key, d_slot, d_anchor))].append(t)
+            moved = checker.run(r, m.src_device, m.dst_device, m.transfers)
             if m.src_device != m.dst_device:  # local copies go slot to slot: no staging
                 staged[m.src_device] += moved
                 staged[m.dst_device] += moved
@@ -195,9 +167,268 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
     if only_rank is not None:
         ranks = (only_rank,) if only_rank >= 0 else ()
         writes = defaultdict(list, {k: v for k, v in writes.items() if k[0] == only_rank})
-    _check_coverage(dst, d_hold, writes, _derivable(plan, dst, emit), expert_keys(dst), d_dev,
-                    emit, unfilled, ranks)
+    _check_coverage(dst, d_hold, writes, _derivable(plan, dst, emit), expert_keys(dst),
+                    plan.dst_devices, emit, unfilled, ranks)
     return count, staging
+
+
+class _Transfers:
+    """The per-transfer rules: each transfer's source, declared size and device, recording
+    what it writes where (``writes``, for the coverage rule). The loop runs once per transfer
+    of plans with hundreds of thousands of them, so the common case is inlined and the rest
+    memoized: element sizes per (key, kinds), source lookups per (rank, region)."""
+
+    def __init__(self, plan: Plan, src: StateView, dst: StateView, s_hold: Holdings,
+                 emit: Emit) -> None:
+        self.s_hold, self.emit = s_hold, emit
+        self.elem_bytes = _ElementBytes(src, dst)
+        self.s_world, self.d_world = src.layout.world, dst.layout.world
+        self.s_dev, self.d_dev = plan.src_devices, plan.dst_devices
+        self.held: dict[tuple, tuple[str, ...] | None] = {}  # source lookups, None: not held
+        self.writes: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
+
+    def run(self, r: int, m_src: str, m_dst: str, transfers: tuple[Transfer, ...],
+            writes: dict[tuple[int, Target], list[Transfer]] | None = None) -> int:
+        """Check ``transfers`` of one message of round ``r``; the bytes they stage (those
+        whose size is known). Writes go to ``writes`` (default: ``self.writes``)."""
+        emit, held, s_hold = self.emit, self.held, self.s_hold
+        s_world, d_world, s_dev, d_dev = self.s_world, self.d_world, self.s_dev, self.d_dev
+        sizes, elem_bytes = self.elem_bytes.memo, self.elem_bytes
+        writes = self.writes if writes is None else writes
+        moved = 0
+        for t in transfers:
+            key, kinds_t, box, sr, dr, s_slot, anchor, d_slot, d_anchor, nbytes = t
+            if not (0 <= sr < s_world and 0 <= dr < d_world):
+                emit(Violation("source", f"is sent from rank {sr} to rank {dr}, outside the layouts "
+                               f"(source world {s_world}, destination world {d_world})",
+                               key, ",".join(kinds_t), (sr, dr), (), box.lo))
+                continue
+            if s_dev[sr] != m_src or d_dev[dr] != m_dst:
+                _wrong_device(r, Message(m_src, m_dst, ()), t, s_dev, d_dev, emit)
+            # Keyed by identity: the plan keeps the slot and anchor objects alive, and
+            # transfers cut from one source region share them (equal copies only miss).
+            where = (sr, key, id(s_slot), id(anchor), kinds_t)
+            kinds = held.get(where, ())
+            if kinds == ():
+                s = s_hold.find(sr, (key, s_slot, anchor))
+                kinds = held[where] = (s.kinds if s is not None
+                                       and set(kinds_t) <= set(s.kinds) else None)
+            lo, hi = box.lo, box.hi
+            n = 1
+            fits = kinds is not None and len(lo) == len(anchor.lo) == len(hi)
+            if fits:
+                for l, h, a, z in zip(lo, hi, anchor.lo, anchor.hi):
+                    if not a <= l < h <= z:
+                        fits = False
+                        break
+                    n *= h - l
+            if not fits:
+                s = s_hold.find(sr, (key, s_slot, anchor))
+                _check_source(t, m_src, s.kinds if s is not None else None, emit)
+            size = sizes.get((key, kinds_t), -1)
+            if size == -1:
+                size = elem_bytes.get(t, emit)
+            if fits and size is not None:
+                moved += size * n
+                if nbytes != size * n:
+                    emit(Violation("memory", f"round {r}: a transfer {box} declares {nbytes} "
+                                   f"bytes but moves {size * n}", key, ",".join(kinds_t),
+                                   (sr, dr), (m_src, m_dst), lo))
+            writes[(dr, (key, d_slot, d_anchor))].append(t)
+        return moved
+
+
+class _Parts(dict):
+    """``view.parts(rank)`` per rank, asked once (it computes the rank's coordinates)."""
+
+    def __init__(self, view: StateView) -> None:
+        super().__init__()
+        self.view = view
+
+    def __missing__(self, rank: int) -> tuple:
+        p = self[rank] = self.view.parts(rank)
+        return p
+
+
+def _same_prefix(parts: _Parts, a: int, b: int, depth: int | None) -> bool:
+    """Ranks ``a`` and ``b`` hold the very same first ``depth`` part objects (None: all of
+    them; ``StateView.parts`` shares parts between ranks of one class), so every lookup that
+    the first ``depth`` parts answer for one answers alike for the other."""
+    pa, pb = parts[a], parts[b]
+    if depth is None:
+        depth = len(pa)
+        if len(pb) != depth:
+            return False
+    return len(pa) >= depth and len(pb) >= depth and all(pa[j] is pb[j] for j in range(depth))
+
+
+def _depth(hold: Holdings, rank: int, targets: list[Target]) -> int | None:
+    """How many of ``rank``'s parts answer every one of ``targets`` (None: some target is in
+    none of them, so a rank answers alike only with all of its parts the same)."""
+    depth = 0
+    for target in targets:
+        j = hold.find_at(rank, target)
+        if j < 0:
+            return None
+        depth = max(depth, j + 1)
+    return depth
+
+
+class _Shapes:
+    """Interned write shapes: what a class writes into one destination part, ranks aside."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple, int] = {}
+
+    def of(self, ts: list[Transfer]) -> int:
+        key = tuple((t.key, t.kinds, t.box.lo, t.box.hi, id(t.dst_slot), id(t.dst_anchor))
+                    for t in ts)
+        return self.ids.setdefault(key, len(self.ids))
+
+
+def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _Transfers,
+                   d_hold: Holdings, declared: Declared, emit: Emit
+                   ) -> tuple[int, list[dict[str, int]]]:
+    """``check_data`` of a plan kept as classes of pairs cut alike (``planner.classes``).
+
+    A class's chunks are checked once, as its first member sends them. Every other member
+    sends the same transfers with its own two ranks, so every rule gives it the same answer
+    where it reads those ranks only through their holdings: if its source rank holds the very
+    same parts as the first member's, up to the last part its reads are found in, its source
+    checks are the first member's; if its destination rank does the same up to the last part
+    written, its writes land in the same regions (else its transfers are checked one by one,
+    and its destination rank's coverage on its own). Coverage is a property of each part of a
+    destination rank and of what is written into it: a part fed the same write shapes is
+    checked once (a failing one is checked and reported for every rank it belongs to)."""
+    s_world, d_world = src.layout.world, dst.layout.world
+    s_dev, d_dev = plan.src_devices, plan.dst_devices
+    s_parts, d_parts = _Parts(src), _Parts(dst)
+    staging: list[dict[str, int]] = [defaultdict(int) for _ in range(body.rounds)]
+    count = 0
+    shapes = _Shapes()
+    # dst rank -> (class, member) that write as their class's first member does; the writes
+    # of the others, checked one by one, per dst rank
+    fed: dict[int, list[tuple[int, object]]] = defaultdict(list)
+    explicit: dict[int, dict[tuple[int, Target], list[Transfer]]] = defaultdict(
+        lambda: defaultdict(list))
+    # class -> {destination part index: write shape}; and the writes of that shape, keyed by
+    # region, as the class's first member makes them
+    part_shapes: list[dict[int, int]] = []
+    part_writes: list[dict[int, dict[Target, list[Transfer]]]] = []
+    for k, c in enumerate(body.classes):
+        head = c.members[0]
+        mine: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
+        sizes = [checker.run(i, head.src_device, head.dst_device, ch, mine) if ch else 0
+                 for i, ch in enumerate(c.chunks)]
+        n = sum(len(ch) for ch in c.chunks)
+        h_sr, h_dr = head.src_rank, head.dst_rank
+        s_depth = d_depth = None
+        by_part: dict[int, list[Transfer]] = defaultdict(list)
+        if 0 <= h_sr < s_world and 0 <= h_dr < d_world:
+            s_depth = _depth(checker.s_hold, h_sr, list({(t.key, t.src_slot, t.src_anchor): 0
+                                                         for ch in c.chunks for t in ch}))
+            d_depth = _depth(d_hold, h_dr, [target for _, target in mine])
+            if d_depth is not None:
+                for (_, target), ws in mine.items():
+                    by_part[d_hold.find_at(h_dr, target)].append((target, ws))
+        part_shapes.append({j: shapes.of([t for _, w in tws for t in w])
+                            for j, tws in by_part.items()})
+        part_writes.append({j: dict(tws) for j, tws in by_part.items()})
+        for m in c.members:
+            sr, dr = m.src_rank, m.dst_rank
+            count += n
+            in_range = 0 <= sr < s_world and 0 <= dr < d_world
+            same_src = in_range and s_depth is not None and s_dev[sr] == m.src_device \
+                and d_dev[dr] == m.dst_device and _same_prefix(s_parts, sr, h_sr, s_depth)
+            same_dst = same_src and d_depth is not None and _same_prefix(d_parts, dr, h_dr, d_depth)
+            if same_dst:
+                sizes_m = sizes
+                fed[dr].append((k, m))
+            else:  # not a copy of the first member's answers: every transfer on its own
+                own = explicit[dr] if 0 <= dr < d_world else defaultdict(list)
+                sizes_m = [checker.run(i, m.src_device, m.dst_device, c.transfers_of(i, m), own)
+                           if ch else 0 for i, ch in enumerate(c.chunks)]
+            if m.src_device == m.dst_device:  # a copy within a device stages nothing
+                continue
+            for i, b in enumerate(sizes_m):
+                if b:
+                    staging[i][m.src_device] += b
+                    staging[i][m.dst_device] += b
+    local: dict[int, dict[tuple[int, Target], list[Transfer]]] = defaultdict(
+        lambda: defaultdict(list))  # dst rank -> the local copies' writes
+    for d, ts in body.local:
+        count += len(ts)
+        own: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
+        checker.run(0, d, d, ts, own)
+        for (dr, target), ws in own.items():
+            if 0 <= dr < d_world:
+                local[dr][(dr, target)].extend(ws)
+    derivable = _derivable(plan, dst, emit)
+    experts = expert_keys(dst)
+    unfilled = {(e.key, e.kind): e.boxes for e in declared.lost.entries}
+    ok: set[tuple] = set()  # (part id, write shapes) whose coverage holds
+    for dr in range(d_world):
+        feeds = fed.get(dr, ())
+        copies = local.get(dr, {})
+        parts = d_parts[dr]
+        # The local copies' writes by the part they land in (-1: in none).
+        copied: dict[int, dict[tuple[int, Target], list[Transfer]]] = defaultdict(dict)
+        for key, ws in copies.items():
+            copied[d_hold.find_at(dr, key[1])][key] = ws
+        if dr in explicit or -1 in copied:  # writes that did not follow a class: rank alone
+            writes = explicit[dr]
+            for key, ws in copies.items():
+                writes[key].extend(ws)
+            for k, m in feeds:
+                _instantiate(body.classes[k], m, writes)
+            _check_coverage(dst, d_hold, writes, derivable, experts, d_dev, emit, unfilled,
+                            (dr,))
+            continue
+        into: list[list[int]] = [[] for _ in parts]
+        for k, _ in feeds:
+            for j, shape in part_shapes[k].items():
+                into[j].append(shape)
+        for j, ws in copied.items():
+            into[j].append(shapes.of([t for w in ws.values() for t in w]))
+        for j, part in enumerate(parts):
+            sig = (id(part), tuple(sorted(into[j])))
+            if sig in ok:
+                continue
+            # Tiling reads no rank: check the first members' writes, and only where that
+            # fails build this rank's own, for a report that names its senders.
+            mine: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
+            for k, _ in feeds:
+                for target, ws in part_writes[k].get(j, {}).items():
+                    mine[(dr, target)].extend(ws)
+            for key, ws in copied.get(j, {}).items():
+                mine[key].extend(ws)
+            failures = [0]
+
+            def counted(_: Violation) -> None:
+                failures[0] += 1
+            _check_coverage(dst, d_hold, mine, derivable, experts, d_dev, counted, unfilled,
+                            (dr,), part)
+            if not failures[0]:
+                ok.add(sig)
+                continue
+            own = defaultdict(list)
+            for k, m in feeds:
+                if j in part_shapes[k]:
+                    _instantiate(body.classes[k], m, own)
+            mine = defaultdict(list, {key: ws for key, ws in own.items()
+                                      if d_hold.find_at(dr, key[1]) == j})
+            for key, ws in copied.get(j, {}).items():
+                mine[key].extend(ws)
+            _check_coverage(dst, d_hold, mine, derivable, experts, d_dev, emit, unfilled,
+                            (dr,), part)
+    return count, [dict(x) for x in staging]
+
+
+def _instantiate(c, m, writes: dict[tuple[int, Target], list[Transfer]]) -> None:
+    """Add what member ``m`` of class ``c`` writes, with its own ranks, to ``writes``."""
+    for i in range(len(c.chunks)):
+        for t in c.transfers_of(i, m):
+            writes[(t.dst_rank, (t.key, t.dst_slot, t.dst_anchor))].append(t)
 
 
 def _check_failed_destination(devices: tuple[str, ...], failed: frozenset[str],
@@ -322,13 +553,15 @@ def _check_coverage(dst: StateView, hold: Holdings,
                     writes: dict[tuple[int, Target], list[Transfer]], derived: set[str],
                     experts: frozenset[str], devices: tuple[str, ...], emit: Emit,
                     unfilled: dict[tuple[str, str], tuple[Box, ...]] | None = None,
-                    ranks: range | tuple[int, ...] | None = None) -> None:
+                    ranks: range | tuple[int, ...] | None = None,
+                    regions: tuple[Stored, ...] | None = None) -> None:
     """``unfilled``: per (key, kind), boxes declared lost; they count as written once.
-    ``ranks``: the destination ranks whose regions to check (default: all)."""
+    ``ranks``: the destination ranks whose regions to check (default: all). ``regions``: check
+    these of the (one) rank's regions only, not all it holds."""
     needed_of: dict[tuple[str, ...], tuple[str, ...]] = {}
     lost_keys = {key for key, _ in unfilled} if unfilled else set()
     for rank in (range(dst.layout.world) if ranks is None else ranks):
-        for s in dst.stored(rank):
+        for s in dst.stored(rank) if regions is None else regions:
             ws = writes.pop((rank, (s.key, s.slot, s.box)), [])
             needed = needed_of.get(s.kinds)
             if needed is None:

@@ -227,3 +227,16 @@ def test_members_of_a_class_really_share_their_chunks(symmetric) -> None:
                 got = sent[(m.src_device, m.dst_device)][i]
                 assert [(t.src_rank, t.dst_rank) for t in got] == [(m.src_rank, m.dst_rank)] * len(ch)
                 assert [t[:3] + t[5:] for t in got] == [t[:3] + t[5:] for t in ch]
+
+
+def test_writers_read_each_round_once_and_keep_none(symmetric) -> None:
+    """The JSON and text writers visit a class plan's rounds without keeping them, and the
+    order they write is the built rounds' order."""
+    from dynatrain.planner.classes import device_orders, each_round
+
+    plan, _, _ = symmetric
+    fresh = with_body(plan, plan.classes)
+    assert [dict(o) for o in device_orders(fresh.rounds)] == [
+        r.device_order() for r in explicit(plan).rounds]
+    assert list(each_round(fresh.rounds)) == list(explicit(plan).rounds)
+    assert all(r is None for r in fresh.rounds._built)  # nothing kept

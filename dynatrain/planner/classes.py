@@ -75,6 +75,14 @@ class ClassRounds:
         ms = tuple(sorted(msgs, key=lambda m: (m.src_device, m.dst_device)))
         return Round(ms, message_order(ms))
 
+    def order(self, i: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """``round(i).order`` from the devices alone (no transfer is built)."""
+        ends = [m for c in self.classes if c.chunks[i] for m in c.members]
+        if i == 0:
+            ends.extend(Member(d, d, -1, -1) for d, _ in self.local)
+        ends.sort(key=lambda m: (m.src_device, m.dst_device))
+        return message_order(ends)
+
     @cached_property
     def sized(self) -> "SizedMessages":
         """Every message's round, devices, bytes and transfer count, as arrays (none built)."""
@@ -165,6 +173,25 @@ class LazyRounds(Sequence):
 
     def __repr__(self) -> str:
         return f"LazyRounds({len(self)} rounds, {len(self.body.classes)} classes)"
+
+    def streamed(self) -> Iterator[Round]:
+        """Each round in turn, built anew and not kept unless already built: for writers
+        that visit a plan of millions of messages once, in a round's memory."""
+        for i in range(len(self)):
+            yield self._built[i] or self.body.round(i)
+
+
+def each_round(rounds: Sequence[Round]) -> Iterator[Round]:
+    """The rounds in turn, without keeping those a ``LazyRounds`` builds."""
+    return rounds.streamed() if isinstance(rounds, LazyRounds) else iter(rounds)
+
+
+def device_orders(rounds: Sequence[Round]) -> Iterator[dict[str, tuple[int, ...]]]:
+    """Each round's ``device_order()``; a ``LazyRounds``'s from its devices alone."""
+    if isinstance(rounds, LazyRounds):
+        return (rounds._built[i].device_order() if rounds._built[i] is not None
+                else dict(rounds.body.order(i)) for i in range(len(rounds)))
+    return (r.device_order() for r in rounds)
 
 
 def class_rounds(pairs: Iterable, local: dict[str, list[Transfer]], unit: int,

@@ -10,6 +10,7 @@ from ..ir.box import Box
 from ..ir.slots import FlatSlot, ParamSlot, Slot, StackSlot
 from ..ir.units import MAX_BYTES
 from . import plan_schema as schema
+from .classes import device_orders, each_round
 from .gcpause import cycle_collector_paused
 from .plan import Message, Plan, Round, Transfer
 from .plan_schema import MAX_INT, TRANSFER_FIELDS, fail
@@ -63,7 +64,7 @@ def _head(plan: Plan) -> dict[str, Any]:
             "budget_bytes": plan.budget_bytes,
             "derived": list(plan.derived),
             "summary": dict(plan.stats),
-            "order": [{d: list(ix) for d, ix in r.device_order().items()} for r in plan.rounds]}
+            "order": [{d: list(ix) for d, ix in o.items()} for o in device_orders(plan.rounds)]}
 
 
 def plan_to_json(plan: Plan, src_spec: dict | None = None,
@@ -147,7 +148,7 @@ def _write_plan_json(plan: Plan, out: TextIO, src_spec: dict | None,
     head = _head(plan)
     text = _TransferText(table, enc)
     out.write("{" + ",".join(f"{enc(k)}:{enc(v)}" for k, v in head.items()) + ',"rounds":[')
-    for i, r in enumerate(plan.rounds):
+    for i, r in enumerate(each_round(plan.rounds)):  # a round's messages at a time
         out.write(",[" if i else "[")
         for j in range(0, len(r.messages), STREAM_BATCH):
             batch = [text.message(m) for m in r.messages[j:j + STREAM_BATCH]]

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from ..ir.box import Box
 from ..ir.slots import BufferSlot, FlatSlot, ParamSlot, Slot, StackSlot, members
+from .classes import each_round
 from .plan import Plan
 
 
@@ -59,7 +60,7 @@ def plan_text_lines(plan: Plan, transfers: bool = True) -> Iterator[str]:
            f", {len(plan.rounds)} rounds\n")
     if plan.derived:
         yield f"derived on the destination: {', '.join(plan.derived)}\n"
-    for i, rnd in enumerate(plan.rounds):
+    for i, rnd in enumerate(each_round(plan.rounds)):  # a round's messages at a time
         yield f"round {i}: {len(rnd.messages)} messages\n"
         for m in rnd.messages:
             how = "local copy" if m.local else "send"

@@ -37,7 +37,8 @@ def summary_lines(switch: PlannedSwitch, biggest: int = 5) -> list[str]:
     """The summary, line by line."""
     plan, src, dst = switch.plan, switch.src, switch.dst
     st = plan.stats
-    local_copies = sum(1 for m in plan.messages() if m.local)
+    local_copies = (len(plan.classes.local) if plan.classes is not None
+                    else sum(1 for m in plan.messages() if m.local))
     new = len(set(dst.devices) - set(src.devices))
     leaving = len(set(src.devices) - set(dst.devices))
     lines = [
@@ -59,16 +60,30 @@ def summary_lines(switch: PlannedSwitch, biggest: int = 5) -> list[str]:
         f"verified in {st.get('verify_seconds', 0.0):.2f} s "
         f"(coverage, sources, expert owners, deadlock, memory)",
     ]
-    moved_by_key: dict[str, int] = {}
-    for m in plan.messages():
-        if not m.local:
-            for t in m.transfers:
-                moved_by_key[t.key] = moved_by_key.get(t.key, 0) + t.nbytes
+    moved_by_key = _moved_by_key(plan)
     if moved_by_key:
         lines.append("  biggest movers (bytes sent between devices)")
         for key, n in sorted(moved_by_key.items(), key=lambda kv: (-kv[1], kv[0]))[:biggest]:
             lines.append(f"    {format_bytes(n):>10}  {key}")
     return lines
+
+
+def _moved_by_key(plan) -> dict[str, int]:
+    """Bytes sent between devices per checkpoint key (a plan kept as classes: each class's
+    chunks once, times its members that cross devices)."""
+    out: dict[str, int] = {}
+    if plan.classes is not None:
+        for c in plan.classes.classes:
+            times = sum(1 for m in c.members if m.src_device != m.dst_device)
+            for ch in c.chunks:
+                for t in ch:
+                    out[t.key] = out.get(t.key, 0) + t.nbytes * times
+        return out
+    for m in plan.messages():
+        if not m.local:
+            for t in m.transfers:
+                out[t.key] = out.get(t.key, 0) + t.nbytes
+    return out
 
 
 def _failure_lines(st: dict) -> list[str]:

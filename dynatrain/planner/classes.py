@@ -91,19 +91,23 @@ class ClassRounds:
 
 @dataclass(frozen=True)
 class SizedMessages:
-    """A ``ClassRounds``'s messages as numbers: one row per class member and round (members
-    sending nothing that round included, with 0 transfers), then one per local copy.
+    """A ``ClassRounds``'s messages as numbers, none built: ``devices[src[j]]`` sends to
+    ``devices[dst[j]]`` chunk i of class ``klass[j]``, ``sizes[klass[j], i]`` bytes in
+    ``counts[klass[j], i]`` transfers (no message where that is 0); ``devices[local[j]]``
+    copies ``local_bytes[j]`` bytes in ``local_counts[j]`` transfers in round 0.
 
     Integer arrays, so that sums over millions of messages are exact and take numpy's time,
-    not Python's: ``devices[src[j]]`` sends ``nbytes[j]`` bytes in ``count[j]`` transfers to
-    ``devices[dst[j]]`` in round ``round[j]``."""
+    not Python's."""
 
     devices: tuple[str, ...]
-    round: np.ndarray
     src: np.ndarray
     dst: np.ndarray
-    nbytes: np.ndarray
-    count: np.ndarray
+    klass: np.ndarray
+    sizes: np.ndarray
+    counts: np.ndarray
+    local: np.ndarray
+    local_bytes: np.ndarray
+    local_counts: np.ndarray
 
     @classmethod
     def of(cls, body: ClassRounds) -> "SizedMessages":
@@ -115,22 +119,25 @@ class SizedMessages:
                 dst.append(index.setdefault(m.dst_device, len(index)))
                 klass.append(k)
         r = body.rounds
-        sizes = np.array([c.chunk_bytes() for c in body.classes], dtype=np.int64).reshape(-1, r)
-        counts = np.array([[len(x) for x in c.chunks] for c in body.classes],
-                          dtype=np.int64).reshape(-1, r)
-        ks = np.array(klass, dtype=np.int64)
-        local = [(index.setdefault(d, len(index)), sum(t.nbytes for t in ts), len(ts))
-                 for d, ts in body.local]
-        loc = np.array([x[0] for x in local], dtype=np.int64)
-        rounds = np.concatenate([np.repeat(np.arange(r, dtype=np.int64)[None, :], len(ks),
-                                           axis=0).ravel(), np.zeros(len(loc), np.int64)])
-        return cls(
-            tuple(index),
-            rounds,
-            np.concatenate([np.repeat(np.array(src, dtype=np.int64), r), loc]),
-            np.concatenate([np.repeat(np.array(dst, dtype=np.int64), r), loc]),
-            np.concatenate([sizes[ks].ravel(), np.array([x[1] for x in local], np.int64)]),
-            np.concatenate([counts[ks].ravel(), np.array([x[2] for x in local], np.int64)]))
+        local = [index.setdefault(d, len(index)) for d, _ in body.local]
+
+        def ints(x) -> np.ndarray:
+            return np.array(x, dtype=np.int64)
+        return cls(tuple(index), ints(src), ints(dst), ints(klass),
+                   ints([c.chunk_bytes() for c in body.classes]).reshape(-1, r),
+                   ints([[len(x) for x in c.chunks] for c in body.classes]).reshape(-1, r),
+                   ints(local), ints([sum(t.nbytes for t in ts) for _, ts in body.local]),
+                   ints([len(ts) for _, ts in body.local]))
+
+    def totals(self) -> dict[str, int]:
+        """Transfers, remote messages, bytes between devices, bytes copied locally."""
+        per = np.bincount(self.klass, minlength=len(self.sizes))  # members per class
+        remote = np.bincount(self.klass[self.src != self.dst], minlength=len(self.sizes))
+        return dict(transfers=int(self.counts.sum(axis=1) @ per + self.local_counts.sum()),
+                    messages=int((self.counts > 0).sum(axis=1) @ remote),
+                    bytes_moved=int(self.sizes.sum(axis=1) @ remote),
+                    bytes_local=int(self.sizes.sum(axis=1) @ (per - remote)
+                                    + self.local_bytes.sum()))
 
 
 class LazyRounds(Sequence):

@@ -140,27 +140,33 @@ def class_link_bytes(body) -> tuple[dict[str, LinkBytes], ...]:
     node = np.array([node_ids.setdefault(node_of(d), len(node_ids)) for d in sized.devices],
                     dtype=np.int64)
     n_dev = len(sized.devices)
-    live = sized.count > 0
-    local = sized.src == sized.dst
-    intra = node[sized.src] == node[sized.dst]
+    cross = sized.src != sized.dst
+    intra = cross & (node[sized.src] == node[sized.dst])
+    inter = cross & ~intra
     out = []
     for r in range(body.rounds):
-        here = live & (sized.round == r)
-        cols = []
-        for mask, ends in ((here & ~local & intra, (sized.src, sized.dst)),
-                           (here & ~local & ~intra, (sized.src, sized.dst)),
-                           (here & local, (sized.src,))):
-            for end in ends:
-                acc = np.zeros(n_dev, dtype=np.int64)
-                np.add.at(acc, end[mask], sized.nbytes[mask])
-                cols.append(acc)
+        b = sized.sizes[sized.klass, r]
+        live = sized.counts[sized.klass, r] > 0
+        cols = [_sum_at(sized.src, b, live & intra, n_dev), _sum_at(sized.dst, b, live & intra, n_dev),
+                _sum_at(sized.src, b, live & inter, n_dev), _sum_at(sized.dst, b, live & inter, n_dev),
+                _sum_at(sized.src, b, live & ~cross, n_dev)]
         present = np.zeros(n_dev, dtype=bool)
-        present[sized.src[here]] = True
-        present[sized.dst[here]] = True
+        present[sized.src[live]] = True
+        present[sized.dst[live]] = True
+        if r == 0 and len(sized.local):
+            cols[4] += _sum_at(sized.local, sized.local_bytes, sized.local_counts > 0, n_dev)
+            present[sized.local[sized.local_counts > 0]] = True
         rows = np.stack(cols, axis=1)[present].tolist()
         out.append({sized.devices[d]: LinkBytes(*v)
                     for d, v in zip(np.flatnonzero(present).tolist(), rows)})
     return tuple(out)
+
+
+def _sum_at(where: np.ndarray, values: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:
+    """Per index of ``where[mask]``, the sum of ``values[mask]`` (int64, exact)."""
+    acc = np.zeros(n, dtype=np.int64)
+    np.add.at(acc, where[mask], values[mask])
+    return acc
 
 
 def _link_bytes(sized: Iterable[tuple[int, str, str]]) -> dict[str, LinkBytes]:

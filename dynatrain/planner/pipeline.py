@@ -142,21 +142,15 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
     plan = Plan(src.spec.name or "src", dst.spec.name or "dst", src.devices, dst.devices,
                 LazyRounds(body), budget_bytes,
                 ("param",) if dst.spec.state.derive_param else (), classes=body)
-    sized = body.sized  # millions of messages on the largest switches: summed by numpy
-    sent = sized.count > 0
-    local = sized.src == sized.dst
-    records = int(sized.count.sum())
-    copied = int(sized.nbytes[sent & local].sum())
-    moved = int(sized.nbytes[sent & ~local].sum())
-    messages = int((sent & ~local).sum())
+    totals = body.sized.totals()  # millions of messages on the largest switches: numpy's sums
     plan.stats.update(
-        bytes_moved=moved,
+        bytes_moved=totals["bytes_moved"],
         bytes_lower_bound=lower_bytes,
-        bytes_local=copied,
-        messages=messages,
+        bytes_local=totals["bytes_local"],
+        messages=totals["messages"],
         # Records of the plan, as its JSON, --text and `verify` count them; parts are what
         # pick_sources chose a sender for, before spread cut them into round chunks.
-        transfers=records,
+        transfers=totals["transfers"],
         parts=len(transfers),
         rounds=n,
         peak_staging_bytes=max((staging_peak(per) for per in plan.round_links), default=0),

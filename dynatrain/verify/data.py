@@ -11,6 +11,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..ir.box import Box
 from ..ir.errors import DynatrainError
 from ..ir.state import StateView, Stored
@@ -250,16 +252,36 @@ class _Parts(dict):
         return p
 
 
-def _same_prefix(parts: _Parts, a: int, b: int, depth: int | None) -> bool:
-    """Ranks ``a`` and ``b`` hold the very same first ``depth`` part objects (None: all of
-    them; ``StateView.parts`` shares parts between ranks of one class), so every lookup that
-    the first ``depth`` parts answer for one answers alike for the other."""
-    pa, pb = parts[a], parts[b]
-    if depth is None:
-        depth = len(pa)
-        if len(pb) != depth:
-            return False
-    return len(pa) >= depth and len(pb) >= depth and all(pa[j] is pb[j] for j in range(depth))
+class _PartIds(dict):
+    """Per rank, the identities of its parts: ranks whose first ``depth`` are equal hold the
+    very same first ``depth`` part objects (the view keeps them alive, so ids stay theirs)."""
+
+    def __init__(self, parts: _Parts) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def __missing__(self, rank: int) -> tuple[int, ...]:
+        ids = self[rank] = tuple(map(id, self.parts[rank]))
+        return ids
+
+
+def _add_staging(staging: list[dict[str, int]], class_sizes: list[list[int]], ks: list[int],
+                 srcs: list[int], dsts: list[int], dev_index: dict[str, int]) -> None:
+    """Add to each round's staging what the members that follow their class stage: their
+    class's checked bytes on both their devices (numpy: millions of members x rounds)."""
+    if not ks:
+        return
+    names = list(dev_index)
+    sizes = np.array(class_sizes, dtype=np.int64)[np.array(ks, dtype=np.int64)]
+    s, d = np.array(srcs, dtype=np.int64), np.array(dsts, dtype=np.int64)
+    for i, staged in enumerate(staging):
+        b = sizes[:, i]
+        on = b > 0
+        acc = np.zeros(len(names), dtype=np.int64)
+        np.add.at(acc, s[on], b[on])
+        np.add.at(acc, d[on], b[on])
+        for j, n in zip(np.flatnonzero(acc).tolist(), acc[acc > 0].tolist()):
+            staged[names[j]] += n
 
 
 def _depth(hold: Holdings, rank: int, targets: list[Target]) -> int | None:
@@ -303,9 +325,17 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
     s_world, d_world = src.layout.world, dst.layout.world
     s_dev, d_dev = plan.src_devices, plan.dst_devices
     s_parts, d_parts = _Parts(src), _Parts(dst)
+    s_ids, d_ids = _PartIds(s_parts), _PartIds(d_parts)
     staging: list[dict[str, int]] = [defaultdict(int) for _ in range(body.rounds)]
     count = 0
     shapes = _Shapes()
+    # The members that follow their class: their class, source and destination device
+    # (indices into dev_index), staged from the class's checked sizes by numpy.
+    class_sizes: list[list[int]] = []
+    follow_k: list[int] = []
+    follow_s: list[int] = []
+    follow_d: list[int] = []
+    dev_index: dict[str, int] = {}
     # dst rank -> (class, member) that write as their class's first member does; the writes
     # of the others, checked one by one, per dst rank
     fed: dict[int, list[tuple[int, object]]] = defaultdict(list)
@@ -334,26 +364,31 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
         part_shapes.append({j: shapes.of([t for _, w in tws for t in w])
                             for j, tws in by_part.items()})
         part_writes.append({j: dict(tws) for j, tws in by_part.items()})
+        count += n * len(c.members)
+        h_src = s_ids[h_sr][:s_depth] if s_depth is not None else None
+        h_dst = d_ids[h_dr][:d_depth] if d_depth is not None else None
         for m in c.members:
             sr, dr = m.src_rank, m.dst_rank
-            count += n
-            in_range = 0 <= sr < s_world and 0 <= dr < d_world
-            same_src = in_range and s_depth is not None and s_dev[sr] == m.src_device \
-                and d_dev[dr] == m.dst_device and _same_prefix(s_parts, sr, h_sr, s_depth)
-            same_dst = same_src and d_depth is not None and _same_prefix(d_parts, dr, h_dr, d_depth)
-            if same_dst:
-                sizes_m = sizes
+            if (h_dst is not None and 0 <= sr < s_world and 0 <= dr < d_world
+                    and s_dev[sr] == m.src_device and d_dev[dr] == m.dst_device
+                    and s_ids[sr][:s_depth] == h_src and d_ids[dr][:d_depth] == h_dst):
                 fed[dr].append((k, m))
-            else:  # not a copy of the first member's answers: every transfer on its own
-                own = explicit[dr] if 0 <= dr < d_world else defaultdict(list)
-                sizes_m = [checker.run(i, m.src_device, m.dst_device, c.transfers_of(i, m), own)
-                           if ch else 0 for i, ch in enumerate(c.chunks)]
-            if m.src_device == m.dst_device:  # a copy within a device stages nothing
+                if m.src_device != m.dst_device:  # a copy within a device stages nothing
+                    follow_k.append(k)
+                    follow_s.append(dev_index.setdefault(m.src_device, len(dev_index)))
+                    follow_d.append(dev_index.setdefault(m.dst_device, len(dev_index)))
                 continue
-            for i, b in enumerate(sizes_m):
-                if b:
-                    staging[i][m.src_device] += b
-                    staging[i][m.dst_device] += b
+            # Not a copy of the first member's answers: every transfer on its own.
+            own = explicit[dr] if 0 <= dr < d_world else defaultdict(list)
+            sizes_m = [checker.run(i, m.src_device, m.dst_device, c.transfers_of(i, m), own)
+                       if ch else 0 for i, ch in enumerate(c.chunks)]
+            if m.src_device != m.dst_device:
+                for i, b in enumerate(sizes_m):
+                    if b:
+                        staging[i][m.src_device] += b
+                        staging[i][m.dst_device] += b
+        class_sizes.append(sizes)
+    _add_staging(staging, class_sizes, follow_k, follow_s, follow_d, dev_index)
     local: dict[int, dict[tuple[int, Target], list[Transfer]]] = defaultdict(
         lambda: defaultdict(list))  # dst rank -> the local copies' writes
     for d, ts in body.local:

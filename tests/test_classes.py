@@ -77,7 +77,7 @@ def check_same_as_explicit(plan: Plan, src: Layout, dst: Layout) -> None:
     assert a.ok and b.ok and a.checked == b.checked
 
 
-@settings(max_examples=30)
+@settings(max_examples=max(30, settings.default.max_examples // 10))  # deep: 200
 @given(t=transitions())
 def test_class_plans_verify_as_their_explicit_rounds(t: Transition) -> None:
     src, dst = Layout(t.src), Layout(t.dst)

@@ -1,5 +1,6 @@
 """The planner's named pass pipeline: intersect -> pick_sources -> budget -> pairs -> agree_rounds ->
-rounds.
+rounds (classes of pairs cut alike, ``classes.ClassRounds``; the plan's rounds are built from
+them on first use).
 
 ``plan_transition(src, dst, budget_bytes)`` returns a ``Plan`` plus its summary numbers. Each pass
 is a pure function of the previous pass's output; ``trace(name, value, seconds)`` sees each one.

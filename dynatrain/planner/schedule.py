@@ -111,12 +111,16 @@ class Demand:
         pair_bytes: dict[tuple[str, str], int] = defaultdict(int)
         pair_elem: dict[tuple[str, str], int] = defaultdict(int)
         elem, key = 0, ""
+        # Bytes per element depend on (key, kinds) alone (their dtypes): one numel each.
+        sizes: dict[tuple[str, tuple[str, ...]], int] = {}
         for t in transfers:
             pair = (src_devices[t.src_rank], dst_devices[t.dst_rank])
             if pair[0] == pair[1]:
                 continue
             pair_bytes[pair] += t.nbytes
-            per_elem = t.nbytes // max(1, t.box.numel)
+            per_elem = sizes.get((t.key, t.kinds))
+            if per_elem is None:
+                per_elem = sizes[(t.key, t.kinds)] = t.nbytes // max(1, t.box.numel)
             if per_elem > pair_elem[pair]:
                 pair_elem[pair] = per_elem
                 if per_elem > elem:

@@ -43,6 +43,7 @@ class PairPhase:
         self.n = src.dp * src.parallel.cp
         self._src: dict[int, tuple[str, int]] = {}  # rank -> (position, replica index)
         self._dst: dict[int, tuple[str, int]] = {}
+        self._phases: dict[tuple[str, str, int], int] = {}
 
     @staticmethod
     def _where(layout: Layout, memo: dict[int, tuple[str, int]], rank: int) -> tuple[str, int]:
@@ -55,7 +56,11 @@ class PairPhase:
     def __call__(self, src_rank: int, dst_rank: int) -> int:
         sp, si = self._where(self.src, self._src, src_rank)
         dp, di = self._where(self.dst, self._dst, dst_rank)
-        return zlib.crc32(f"{sp}>{dp}|{(si - di) % self.n}".encode())
+        key = (sp, dp, (si - di) % self.n)
+        phase = self._phases.get(key)
+        if phase is None:  # few distinct triples: the replicas of a position repeat them
+            phase = self._phases[key] = zlib.crc32(f"{sp}>{dp}|{key[2]}".encode())
+        return phase
 
 
 def canonical(transfers: Iterable[Transfer]) -> list[Transfer]:

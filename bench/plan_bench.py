@@ -627,7 +627,8 @@ def run_series(full: bool, global_max: int) -> dict[str, Any]:
             spread, spread_from = s["spread"], n
             row.update(plan_seconds=s["plan_seconds"], verify_seconds=s["verify_seconds"],
                        verified=s["verified"], transfers=s["transfers"],
-                       messages=s["messages"], rounds=s["rounds"],
+                       messages=s["messages"], rounds=s["rounds"], pairs=s["pairs"],
+                       pair_classes=s["pair_classes"],
                        time_ratio=ratio(s["predicted_seconds"], s["lower_bound_seconds"]))
         devs = sampled_devices(spec_from_dict(src_raw, origin="src"),
                                spec_from_dict(dst_raw, origin="dst"))
@@ -642,14 +643,17 @@ def run_series(full: bool, global_max: int) -> dict[str, Any]:
     print_table(
         f"5. {SERIES_MODEL} TP8 PP16, N -> 3N/4 GPUs (global plan up to {global_max} GPUs; "
         "slices in fresh processes)",
-        ["GPUs", "transfers", "msgs", "rounds", "plan s", "verify s", "pred/LB",
-         "slice max s", "slice mean s", "slice RSS GiB"],
+        ["GPUs", "transfers", "msgs", "pairs", "classes", "rounds", "plan s", "verify s",
+         "pred/LB", "slice max s", "slice mean s", "slice RSS GiB"],
         [[r["gpus"], str(r.get("transfers", "-")), str(r.get("messages", "-")),
+          str(r.get("pairs", "-")), str(r.get("pair_classes", "-")),
           str(r["rounds"]) if "rounds" in r else f"{r['spread'][1]}*", fmt(r.get("plan_seconds")),
-          fmt(r.get("verify_seconds")), fmt(r.get("time_ratio")),
+          fmt(r.get("verify_seconds")), fmt(r.get("time_ratio"), ".3f"),
           fmt(r["slice_max_seconds"]), fmt(r["slice_mean_seconds"]),
           fmt(r["slice_rss_max_bytes"] / GIB)] for r in rows],
     )
+    print("pairs: device pairs that exchange; classes: those cut alike, kept once by the "
+          "global plan (planner.classes).")
     print("slice s: a fresh process compiling both layouts and computing its own part; RSS: "
           "its peak (interpreter and imports included). Without a global plan, slices use "
           "the (unit, rounds) of the largest size planned (rounds marked *; spread_from in the "

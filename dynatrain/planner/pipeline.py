@@ -153,6 +153,10 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
         # pick_sources chose a sender for, before spread cut them into round chunks.
         transfers=totals["transfers"],
         parts=len(transfers),
+        # Remote pairs of devices, and the classes of them cut alike (``classes``): the
+        # global plan keeps each class's chunks once.
+        pairs=sum(len(c.members) for c in body.classes),
+        pair_classes=len(body.classes),
         rounds=n,
         peak_staging_bytes=max((staging_peak(per) for per in plan.round_links), default=0),
         budget_bytes=budget_bytes,

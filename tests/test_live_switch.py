@@ -45,10 +45,12 @@ SWITCHES = {
 
 
 # The install path is the same code for dense and MoE state (the MoE bind case covers the
-# expert state): MoE x install runs in the deep profile only, to keep the default suite short.
+# expert state), and install_state itself is checked bit-exact against megatron on every bridge
+# case (test_megatron_bridge's round trips): switches into the executor's own storage then
+# install run in the deep profile only, to keep the default suite short; the default profile
+# switches straight into the B job (bind), as LiveSwitcher does.
 CASES = [pytest.param(name, into, id=f"{name}-{into}",
-                      marks=[pytest.mark.slow] if name.startswith("moe") and into == "install"
-                      else [])
+                      marks=[pytest.mark.slow] if into == "install" else [])
          for name in SWITCHES for into in ("install", "bind")]
 
 

@@ -7,9 +7,9 @@ destination rank). ``ClassRounds`` is a switch's remote classes plus its local c
 as data, in size proportional to the distinct shapes plus one small record per pair instead of
 one record per transfer per pair.
 
-Its ``rounds`` are the plan's rounds exactly as ``spread.rounds_of`` builds them (tests compare),
-built one round at a time on first use (``LazyRounds``); what needs only sizes and devices (the
-plan's statistics, its link bytes, ``verify``'s data rules) reads the classes instead.
+Its rounds are built one at a time on first use (``LazyRounds``; ``tests/test_symmetry.py``
+compares them with cutting every pair alone); what needs only sizes and devices (the plan's
+statistics, its link bytes, ``verify``'s data rules) reads the classes instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .plan import Message, Round, Transfer, message_order
+from .plan import Message, Round, Transfer, message_order, with_ranks
 
 
 class Member(NamedTuple):
@@ -51,10 +51,7 @@ class PairClass:
         head = self.members[0]
         if member.src_rank == head.src_rank and member.dst_rank == head.dst_rank:
             return c
-        sr, dr = member.src_rank, member.dst_rank
-        new = tuple.__new__  # a Transfer built field by field: 3x faster than _replace
-        return tuple(new(Transfer, (t[0], t[1], t[2], sr, dr, t[5], t[6], t[7], t[8], t[9]))
-                     for t in c)
+        return with_ranks(c, member.src_rank, member.dst_rank)
 
 
 @dataclass(frozen=True)
@@ -66,8 +63,8 @@ class ClassRounds:
     local: tuple[tuple[str, tuple[Transfer, ...]], ...]  # (device, its copies), by device
 
     def round(self, i: int) -> Round:
-        """Round ``i`` as ``spread.rounds_of`` builds it: every class member's chunk i, the
-        local copies in round 0, messages by (source, destination) device."""
+        """Round ``i``: every class member's chunk i, the local copies in round 0, messages
+        by (source, destination) device, run in that one order."""
         msgs = [Message(m.src_device, m.dst_device, c.transfers_of(i, m))
                 for c in self.classes if c.chunks[i] for m in c.members]
         if i == 0:
@@ -203,8 +200,8 @@ def device_orders(rounds: Sequence[Round]) -> Iterator[dict[str, tuple[int, ...]
 
 def class_rounds(pairs: Iterable, local: dict[str, list[Transfer]], unit: int,
                  rounds: int) -> ClassRounds:
-    """``spread``'s pairs (twins linked) as classes: each first pair of a shape is cut once and
-    its twins join it as members (in the order of ``pairs``)."""
+    """``spread``'s pairs (twins linked) as classes: the first pair of each shape is cut once,
+    and its twins join it as members (in the order of ``pairs``)."""
     members: dict[int, list[Member]] = {}
     leaders = {}
     for p in pairs:
@@ -217,12 +214,12 @@ def class_rounds(pairs: Iterable, local: dict[str, list[Transfer]], unit: int,
     classes = []
     for k, ms in members.items():
         head = leaders[k]
-        h = head.transfers[0]
-        if (ms[0].src_rank, ms[0].dst_rank) != (h.src_rank, h.dst_rank):
-            # The chunks carry the first pair's ranks: list that pair first.
-            at = next(j for j, m in enumerate(ms) if m.src_device == head.src
-                      and m.dst_device == head.dst)
-            ms.insert(0, ms.pop(at))
-        classes.append(PairClass(tuple(map(tuple, head.chunks(rounds, unit))), tuple(ms)))
+        chunks = head.chunks(rounds, unit)
+        h, first = head.transfers[0], ms[0]
+        if (first.src_rank, first.dst_rank) != (h.src_rank, h.dst_rank):
+            # The chunks carry the first member's ranks (the cut pair may come later, or be
+            # another device's: a slice lists only its own device's pairs).
+            chunks = [with_ranks(c, first.src_rank, first.dst_rank) for c in chunks]
+        classes.append(PairClass(tuple(map(tuple, chunks)), tuple(ms)))
     return ClassRounds(rounds, tuple(classes),
                        tuple((d, tuple(local[d])) for d in sorted(local)))

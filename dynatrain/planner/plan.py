@@ -45,6 +45,14 @@ class Transfer(NamedTuple):
 _NBYTES = itemgetter(9)  # Transfer.nbytes, read without a generator frame per transfer
 
 
+def with_ranks(transfers, src_rank: int, dst_rank: int) -> tuple[Transfer, ...]:
+    """``transfers`` sent from ``src_rank`` to ``dst_rank`` instead (the pairs of one class,
+    ``classes``, send the same transfers but for their two ranks)."""
+    new = tuple.__new__  # a Transfer built field by field: 3x faster than _replace
+    return tuple(new(Transfer, (t[0], t[1], t[2], src_rank, dst_rank, t[5], t[6], t[7], t[8],
+                                t[9])) for t in transfers)
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     """All transfers from one source device to one destination device in a round."""

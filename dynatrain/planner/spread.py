@@ -20,8 +20,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from ..ir.layout import Layout
+from .classes import class_rounds
 from .intersect import PlanError
-from .plan import Message, Round, Transfer, message_order
+from .plan import Round, Transfer
 from .schedule import MAX_ROUNDS, _sub, unit_bytes
 
 
@@ -186,7 +187,7 @@ class Pair:
 
     ``twin``: an earlier pair of the same shape (``link_twins``), or None. A twin has the
     same edges and loads and is cut into the same chunks, with its own two ranks; only the
-    first pair of each shape is split."""
+    first pair of each shape is split (``classes.class_rounds``)."""
 
     __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "twin", "_cache",
                  "_edges", "_loads")
@@ -234,13 +235,11 @@ class Pair:
         return max(unit // 2, self.elem)
 
     def chunks(self, rounds: int, unit: int) -> list[list[Transfer]]:
+        """This pair's transfers cut into ``rounds`` chunks (``classes`` asks the first pair
+        of each shape only; its twins send the same chunks with their own two ranks)."""
         if self._cache is None or self._cache[0] != rounds:
-            if self.twin is not None:
-                head = self.transfers[0]
-                cut = _moved(self.twin.chunks(rounds, unit), head.src_rank, head.dst_rank)
-            else:
-                cut = split(self.transfers, self.edges(rounds, unit), self.tolerance(unit))
-            self._cache = (rounds, cut)
+            self._cache = (rounds, split(self.transfers, self.edges(rounds, unit),
+                                         self.tolerance(unit)))
         return self._cache[1]
 
 
@@ -264,14 +263,6 @@ def link_twins(pairs: Iterable[Pair]) -> None:
     for p in pairs:
         f = first.setdefault(shape_of(p), p)
         p.twin = None if f is p else f
-
-
-def _moved(chunks: list[list[Transfer]], src_rank: int, dst_rank: int
-           ) -> list[list[Transfer]]:
-    """A twin's chunks with this pair's two ranks."""
-    new = tuple.__new__  # a Transfer built field by field: 3x faster than _replace
-    return [[new(Transfer, (t[0], t[1], t[2], src_rank, dst_rank, t[5], t[6], t[7], t[8], t[9]))
-             for t in c] for c in chunks]
 
 
 def _fits(pairs: list[Pair], rounds: int, unit: int, half: int) -> bool:
@@ -381,18 +372,8 @@ def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int,
 
 def rounds_of(pairs: Iterable[Pair], local: dict[str, list[Transfer]], unit: int,
               rounds: int) -> list[Round]:
-    """The plan's rounds: chunk i of every pair in round i, local copies in round 0."""
-    per: list[list[Message]] = [[] for _ in range(rounds)]
-    for p in pairs:
-        for i, c in enumerate(p.chunks(rounds, unit)):
-            if c:
-                per[i].append(Message(p.src, p.dst, tuple(c)))
-    for dev, ts in local.items():
-        per[0].append(Message(dev, dev, tuple(ts)))
-    # Every round is kept, empty or not, so that a round's index is the same in every
-    # device's slice and in the global plan.
-    out = []
-    for msgs in per:
-        ms = tuple(sorted(msgs, key=lambda m: (m.src_device, m.dst_device)))
-        out.append(Round(ms, message_order(ms)))
-    return out
+    """The plan's rounds: chunk i of every pair in round i, local copies in round 0 (every
+    round kept, empty or not, so that a round's index is the same in every device's slice
+    and in the global plan); built from the pairs' classes (``classes.ClassRounds.round``)."""
+    body = class_rounds(pairs, local, unit, rounds)
+    return [body.round(i) for i in range(rounds)]

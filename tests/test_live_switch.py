@@ -48,9 +48,14 @@ SWITCHES = {
 # expert state), and install_state itself is checked bit-exact against megatron on every bridge
 # case (test_megatron_bridge's round trips): switches into the executor's own storage then
 # install run in the deep profile only, to keep the default suite short; the default profile
-# switches straight into the B job (bind), as LiveSwitcher does.
-CASES = [pytest.param(name, into, id=f"{name}-{into}",
-                      marks=[pytest.mark.slow] if into == "install" else [])
+# switches straight into the B job (bind), as LiveSwitcher does. The dense bind case is deep
+# too: test_te_live runs the very same switch (padded vocabulary, tied embedding split across
+# stages, DP2) by default with TE layers, and test_live_switcher a dense local-layer job.
+def _marks(name: str, into: str) -> list:
+    return [pytest.mark.slow] if into == "install" or not name.startswith("moe") else []
+
+
+CASES = [pytest.param(name, into, id=f"{name}-{into}", marks=_marks(name, into))
          for name in SWITCHES for into in ("install", "bind")]
 
 

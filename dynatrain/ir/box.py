@@ -20,7 +20,7 @@ class Box:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(h - l for l, h in zip(self.lo, self.hi))
+        return tuple(map(sub, self.hi, self.lo))
 
     @property
     def numel(self) -> int:

@@ -580,15 +580,13 @@ def overflow_budget(plan: Plan, src: Layout, dst: Layout, rng: random.Random) ->
     remote = [(a, i) for a, rnd in enumerate(plan.rounds) for i, m in enumerate(rnd.messages)
               if not m.local]
     rng.shuffle(remote)
-    targets = list(range(len(plan.rounds)))
     for a, i in remote:
         m = plan.rounds[a].messages[i]
-        rng.shuffle(targets)
-        for b in targets:
-            used = staging[b]
-            if b == a or max(used.get(m.src_device, 0),
-                             used.get(m.dst_device, 0)) + m.nbytes <= plan.budget_bytes:
-                continue
+        # Spread plans fill every round alike: most messages fit wherever they go.
+        over = [b for b, used in enumerate(staging) if b != a and max(
+            used.get(m.src_device, 0), used.get(m.dst_device, 0)) + m.nbytes > plan.budget_bytes]
+        if over:
+            b = rng.choice(over)
             into, _ = _append_message(plan.rounds[b], m)
             mutated = _with_rounds(plan, {a: _remove_message(plan.rounds[a], i), b: into})
             return Mutant("overflow_budget", "memory",

@@ -58,6 +58,17 @@ def materialize(view: StateView, tensors: dict[tuple[str, str], np.ndarray]) -> 
 def execute(plan: Plan, src: list[Storage], dst_view: StateView) -> list[Storage]:
     """Run ``plan`` round by round; returns the destination storages."""
     dst = [allocate(dst_view, r) for r in range(dst_view.layout.world)]
+    # Round chunks of one region come back many times: its view is built once per side.
+    views: dict[tuple, np.ndarray] = {}
+
+    def view(side: list[Storage], tag: int, rank: int, kind: str, slot: Slot,
+             anchor: Box) -> np.ndarray:
+        k = (tag, rank, kind, slot, anchor)
+        v = views.get(k)
+        if v is None:
+            v = views[k] = region(side[rank], kind, slot, anchor)
+        return v
+
     for rnd in plan.rounds:
         for msg in rnd.messages:
             for t in msg.transfers:
@@ -67,10 +78,10 @@ def execute(plan: Plan, src: list[Storage], dst_view: StateView) -> list[Storage
                     if d_box != box:
                         raise ValueError(f"{t}: source and destination members differ "
                                          f"({box} and {d_box})")
+                    into, out = _within(box, d_anchor), _within(box, s_anchor)
                     for kind in t.kinds:
-                        s = region(src[t.src_rank], kind, s_slot, s_anchor)
-                        d = region(dst[t.dst_rank], kind, d_slot, d_anchor)
-                        d[_within(box, d_anchor)] = s[_within(box, s_anchor)]
+                        s = view(src, 0, t.src_rank, kind, s_slot, s_anchor)
+                        view(dst, 1, t.dst_rank, kind, d_slot, d_anchor)[into] = s[out]
     if "param" in plan.derived:
         _derive_params(dst, dst_view)
     return dst

@@ -59,11 +59,12 @@ def refusal(pair: tuple[str, str], budget: int) -> BudgetTooSmall:
 
 @pytest.fixture
 def no_coalesce(monkeypatch):
-    """Refusals must come before spread cuts the transfers into chunks."""
+    """Refusals must come before spread cuts the transfers into chunks (grouping them into
+    pairs of devices cuts nothing and does not depend on the budget)."""
     def refuse(*_args, **_kwargs):
         raise AssertionError("spread ran: the budget was not checked first")
-    monkeypatch.setattr(pipeline, "pairs_by_device", refuse)
     monkeypatch.setattr(pipeline, "global_spread", refuse)
+    monkeypatch.setattr(pipeline, "class_rounds", refuse)
 
 
 def refused(pair: tuple[str, str], budget: int) -> BudgetTooSmall:
@@ -158,6 +159,18 @@ def test_rounds_and_messages_bounds_never_exceed_the_real_plan(budget) -> None:
     assert need.messages(budget) <= len(messages)
     # The planner's rounds lie between the least any schedule needs and the check's bound.
     assert need.least_rounds(budget) <= len(rounds) <= need.rounds(budget)
+
+
+@pytest.mark.parametrize("pair", [TINY, LLAMA_70B_DP3, QWEN_235B],
+                         ids=["tiny-gpt", "llama-70b-dp3", "qwen3-235b"])
+def test_the_pipelines_demand_from_pairs_is_the_demand_of_the_transfers(pair) -> None:
+    """The pipeline checks the budget from its pairs of devices: the very same ``Demand``
+    (every field, the element's tensor too) as one pass over the transfers."""
+    picked, src_devices, dst_devices = transfers(pair)
+    pairs, _ = pairs_by_device(picked, src_devices, dst_devices, PairPhase(*layouts(pair)))
+    want = Demand.of(picked, src_devices, dst_devices)
+    assert want.pairs == len(pairs) > 0
+    assert Demand.of_pairs(pairs.values()) == want
 
 
 # ---- the default budget passes on the shipped switches ----------------------------------------

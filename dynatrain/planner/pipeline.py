@@ -22,7 +22,7 @@ from .intersect import Intersection, PlanError, intersect
 from .lost import StateLost, check_failed, lost_state
 from .place import auto_place
 from .plan import Plan
-from .schedule import check_budget
+from .schedule import Demand, check_demand
 from .sources import pick_sources
 from .classes import LazyRounds, class_rounds
 from .spread import PairPhase, global_spread, pairs_by_device
@@ -134,9 +134,10 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
     """The passes after intersect, for one placement of ``dst``."""
     transfers, lower_bytes = step("pick_sources", lambda: pick_sources(
         inter, src.devices, dst.devices, dtypes, replica_of(dst)))
-    step("budget", lambda: check_budget(transfers, src.devices, dst.devices, budget_bytes))
     pairs, local = step("pairs", lambda: pairs_by_device(transfers, src.devices, dst.devices,
                                                          PairPhase(src, dst)))
+    # Before anything is cut; from the pairs, as grouping the transfers again costs a pass.
+    step("budget", lambda: check_demand(Demand.of_pairs(pairs.values()), budget_bytes))
     unit, n = step("agree_rounds", lambda: global_spread(pairs, budget_bytes))
     body = step("rounds", lambda: class_rounds(pairs.values(), local, unit, n))
     # Rounds are built from the classes when first read; the statistics need only sizes.

@@ -6,13 +6,15 @@ slot to slot and stage nothing. A device's budget is split evenly between sendin
 (``spread`` cuts every pair's traffic into rounds within those halves).
 
 A budget tiny against the state would make the rounds and the messages explode, so
-``check_budget`` bounds both from the transfers alone, before any transfer is cut, and refuses
-such a budget with the smallest one the plan allows.
+``check_budget`` bounds both from the transfers alone (the pipeline: from its pairs of devices,
+``Demand.of_pairs``), before any transfer is cut, and refuses such a budget with the smallest
+one the plan allows.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..ir.box import Box
@@ -123,19 +125,40 @@ class Demand:
                 per_elem = sizes[(t.key, t.kinds)] = t.nbytes // max(1, t.box.numel)
             if per_elem > pair_elem[pair]:
                 pair_elem[pair] = per_elem
-                if per_elem > elem:
-                    elem, key = per_elem, t.key
+            if (per_elem, key) > (elem, t.key):  # the largest, the least key among equals
+                elem, key = per_elem, t.key
+        return cls._of_sides(((s, d, n, pair_elem[(s, d)]) for (s, d), n in pair_bytes.items()),
+                             len(pair_bytes), elem, key)
+
+    @classmethod
+    def of_pairs(cls, pairs: Iterable) -> Demand:
+        """The same from the remote pairs (``spread.Pair``: ``src``, ``dst``, ``nbytes``,
+        ``elem`` and ``elem_key`` of its transfers), without a pass over the transfers."""
+        elem, key, n = 0, "", 0
+        sides = []
+        for p in pairs:
+            n += 1
+            sides.append((p.src, p.dst, p.nbytes, p.elem))
+            if (p.elem, key) > (elem, p.elem_key):
+                elem, key = p.elem, p.elem_key
+        return cls._of_sides(sides, n, elem, key)
+
+    @classmethod
+    def _of_sides(cls, pairs: Iterable[tuple[str, str, int, int]], count: int, elem: int,
+                  key: str) -> Demand:
+        """From (source device, destination device, bytes, largest element) per pair."""
         sides: dict[tuple[str, str], list] = {}  # ("out"/"in", device) -> [bytes, elems]
-        for (s, d), n in pair_bytes.items():
+        for s, d, n, e in pairs:
             for side in (("out", s), ("in", d)):
-                acc = sides.setdefault(side, [0, []])
+                acc = sides.get(side)
+                if acc is None:
+                    acc = sides[side] = [0, []]
                 acc[0] += n
-                acc[1].append(pair_elem[(s, d)])
+                acc[1].append(e)
         kinds = Counter((n, tuple(sorted(es))) for n, es in sides.values())
         return cls(max((n for n, _ in sides.values()), default=0),
                    tuple(sorted((n, es, c) for (n, es), c in kinds.items())),
-                   max((len(es) for _, es in sides.values()), default=0), len(pair_bytes),
-                   elem, key)
+                   max((len(es) for _, es in sides.values()), default=0), count, elem, key)
 
     def unit(self, budget: int) -> int:
         return unit_bytes(budget, self.peers)
@@ -205,7 +228,11 @@ def check_budget(transfers: list[Transfer], src_devices: tuple[str, ...],
         >>> check_budget(transfers, src.devices, dst.devices, 256)  # doctest: +SKIP
         BudgetTooSmall: --budget 256 B is too small for this switch: it needs at least ...
     """
-    need = Demand.of(transfers, src_devices, dst_devices)
+    return check_demand(Demand.of(transfers, src_devices, dst_devices), budget)
+
+
+def check_demand(need: Demand, budget: int) -> Demand:
+    """``check_budget`` of a demand already computed (the pipeline's, from its pairs)."""
     if need.fits(budget):
         return need
     smallest = need.smallest_budget()

@@ -189,8 +189,8 @@ class Pair:
     same edges and loads and is cut into the same chunks, with its own two ranks; only the
     first pair of each shape is split (``classes.class_rounds``)."""
 
-    __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "phase", "twin", "_cache",
-                 "_edges", "_loads")
+    __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "elem_key", "phase", "twin",
+                 "_cache", "_edges", "_loads")
 
     def __init__(self, src: str, dst: str, transfers: list[Transfer], phase: int) -> None:
         self.src, self.dst = src, dst
@@ -201,7 +201,9 @@ class Pair:
         for t in self.transfers:
             if (t.key, t.kinds) not in per:
                 per[(t.key, t.kinds)] = t.nbytes // t.box.numel
-        self.elem = max(per.values(), default=0)
+        # The largest element and, among keys with one that large, the least (``Demand``).
+        self.elem, self.elem_key = min(((-e, k[0]) for k, e in per.items()), default=(0, ""))
+        self.elem = -self.elem
         self.phase = phase
         self.twin: Pair | None = None
         self._cache: tuple[int, list[list[Transfer]]] | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from operator import add, sub
+from operator import add, ge, sub
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -29,7 +29,7 @@ class Box:
     def __and__(self, other: "Box") -> "Box | None":
         lo = tuple(map(max, self.lo, other.lo))
         hi = tuple(map(min, self.hi, other.hi))
-        return Box(lo, hi) if all(a < b for a, b in zip(lo, hi)) else None
+        return None if any(map(ge, lo, hi)) else Box(lo, hi)
 
     def meets(self, other: "Box") -> bool:
         """Whether the two boxes overlap (``self & other`` is not None, without building it)."""

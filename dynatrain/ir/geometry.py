@@ -9,6 +9,7 @@ translation maps (SwiGLU's unsplit ``[gate; up]``) into one region.
 from __future__ import annotations
 
 import math
+from operator import add, ge, sub
 
 from .box import Box
 from .shard import Shard, logical_box
@@ -52,16 +53,16 @@ def local_to_global(sh: Shard, lo: tuple[int, ...], size: tuple[int, ...],
                 out.append((piece.local_offset, box))
         return out
     out = []
-    for piece in sh.pieces:
-        psize = piece.box.shape[npre:]
-        a = tuple(max(x, p) for x, p in zip(lo, piece.local_offset))
-        z = tuple(min(x + s, p + ps) for x, s, p, ps in zip(lo, size, piece.local_offset, psize))
-        if any(x >= y for x, y in zip(a, z)):
+    hi = tuple(map(add, lo, size))
+    lead = (1,) * npre
+    for piece in sh.pieces:  # a hot path at scale (every optimizer shard): tuple maps
+        off, g = piece.local_offset, piece.box
+        a = tuple(map(max, lo, off))
+        z = tuple(map(min, hi, map(add, off, map(sub, g.hi[npre:], g.lo[npre:]))))
+        if any(map(ge, a, z)):
             continue
-        g_lo = piece.box.lo[:npre] + tuple(
-            g + x - p for g, x, p in zip(piece.box.lo[npre:], a, piece.local_offset))
-        box = logical_box(sh.param, Box.of(g_lo, (1,) * npre + tuple(y - x for x, y in zip(a, z))),
-                          vocab)
+        g_lo = g.lo[:npre] + tuple(map(add, g.lo[npre:], map(sub, a, off)))
+        box = logical_box(sh.param, Box.of(g_lo, lead + tuple(map(sub, z, a))), vocab)
         if box is not None:
             out.append((a, box))
     return out

@@ -58,6 +58,7 @@ class Layout:
         self.padded_vocab = padded_vocab(self.model, p.tp)
         self.experts_own_buffer = experts_in_own_buffer(spec.megatron_core, p.tp, p.ep,
                                                         p.expert_tp)
+        self._coords: dict[int, RankCoords] = {}  # asked several times per rank by each pass
 
     def __repr__(self) -> str:
         p = self.parallel
@@ -77,7 +78,10 @@ class Layout:
                       for g in gpus])
 
     def coords(self, rank: int) -> RankCoords:
-        return self.mesh.coords(rank)
+        c = self._coords.get(rank)
+        if c is None:
+            c = self._coords[rank] = self.mesh.coords(rank)
+        return c
 
     def chunks(self, pp: int) -> tuple[Chunk, ...]:
         layers = stage_layers(self.split)[pp]

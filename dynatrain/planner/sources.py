@@ -184,9 +184,10 @@ def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices:
             eb = elem_bytes(e.key, ans.kinds)
             for box, holders in ans.parts:
                 c = cands(holders)
-                ts = part_transfers(e.key, ans.kinds, box, box.numel * eb, c, dst_rank, here,
+                nbytes = box.numel * eb
+                ts = part_transfers(e.key, ans.kinds, box, nbytes, c, dst_rank, here,
                                     dst_node, replica, e.slot, e.box)
                 if ts[0].src_rank != here:
-                    remote += box.numel * eb
+                    remote += nbytes
                 out.extend(ts)
     return out, remote

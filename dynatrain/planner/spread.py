@@ -192,15 +192,22 @@ class Pair:
     __slots__ = ("src", "dst", "transfers", "nbytes", "elem", "elem_key", "phase", "twin",
                  "_cache", "_edges", "_loads")
 
-    def __init__(self, src: str, dst: str, transfers: list[Transfer], phase: int) -> None:
+    def __init__(self, src: str, dst: str, transfers: list[Transfer], phase: int,
+                 per_elem: dict[tuple[str, tuple[str, ...]], int] | None = None) -> None:
         self.src, self.dst = src, dst
-        self.transfers = canonical(transfers)
+        self.transfers = canonical(transfers) if len(transfers) > 1 else list(transfers)
         self.nbytes = sum(t.nbytes for t in self.transfers)
-        # Bytes per element: the same for every transfer of one (key, kinds), so one each.
+        # Bytes per element: the same for every transfer of one (key, kinds), so one each
+        # (``per_elem``: a memo that the pairs of one plan share).
+        known = {} if per_elem is None else per_elem
         per: dict[tuple[str, tuple[str, ...]], int] = {}
         for t in self.transfers:
-            if (t.key, t.kinds) not in per:
-                per[(t.key, t.kinds)] = t.nbytes // t.box.numel
+            k = (t.key, t.kinds)
+            if k not in per:
+                e = known.get(k)
+                if e is None:
+                    e = known[k] = t.nbytes // t.box.numel
+                per[k] = e
         # The largest element and, among keys with one that large, the least (``Demand``).
         self.elem, self.elem_key = min(((-e, k[0]) for k, e in per.items()), default=(0, ""))
         self.elem = -self.elem
@@ -343,11 +350,12 @@ def pairs_by_device(transfers: Iterable[Transfer], src_devices: tuple[str, ...],
     for t in transfers:
         by_pair.setdefault((src_devices[t.src_rank], dst_devices[t.dst_rank]), []).append(t)
     pairs, local = {}, {}
+    per_elem: dict[tuple[str, tuple[str, ...]], int] = {}
     for (s, d), ts in by_pair.items():
         if s == d:
             local[s] = canonical(ts)
         else:
-            pairs[(s, d)] = Pair(s, d, ts, phase(ts[0].src_rank, ts[0].dst_rank))
+            pairs[(s, d)] = Pair(s, d, ts, phase(ts[0].src_rank, ts[0].dst_rank), per_elem)
     link_twins(pairs.values())
     return pairs, local
 

@@ -19,6 +19,8 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from ..ir.layout import Layout
 from .classes import class_rounds
 from .intersect import PlanError
@@ -361,23 +363,66 @@ def pairs_by_device(transfers: Iterable[Transfer], src_devices: tuple[str, ...],
 
 
 def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int, int]:
-    """``agree_spread`` computed for every device at once: the global plan's (unit, R)."""
-    outs: dict[str, list[Pair]] = {}
-    ins: dict[str, list[Pair]] = {}
-    for (s, d), p in pairs.items():
-        outs.setdefault(s, []).append(p)
-        ins.setdefault(d, []).append(p)
-    devices = sorted(set(outs) | set(ins))
-    unit = unit_bytes(budget, max((len(v) for v in (*outs.values(), *ins.values())),
-                                  default=1))
-    sides = [(outs.get(d, []), ins.get(d, [])) for d in devices]
-    r = max((least_rounds(o, i, budget // 2) for o, i in sides), default=1)
+    """``agree_spread`` computed for every device at once: the global plan's (unit, R).
+
+    The same fixpoint as every device's ``fit_from`` under ``agree``: the unit from the most
+    pairs on a side, R from the busiest side up, each device dropped once it fits. A class of
+    twins computes its chunk loads once per R (``Pair.loads``); numpy sums them per device
+    and round (millions of pairs on the largest switches)."""
+    plist = list(pairs.values())
+    if not plist:
+        return unit_bytes(budget, 1), 1
+    dev: dict[str, int] = {}
+    src = np.fromiter((dev.setdefault(p.src, len(dev)) for p in plist), np.int64, len(plist))
+    dst = np.fromiter((dev.setdefault(p.dst, len(dev)) for p in plist), np.int64, len(plist))
+    heads: dict[int, int] = {}  # id of a class's first pair -> its row
+    first: list[Pair] = []
+    klass = np.empty(len(plist), np.int64)
+    for j, p in enumerate(plist):
+        h = p.twin or p
+        k = heads.get(id(h))
+        if k is None:
+            k = heads[id(h)] = len(first)
+            first.append(h)
+        klass[j] = k
+    n = len(dev)
+    peers = max(np.bincount(src, minlength=n).max(), np.bincount(dst, minlength=n).max())
+    unit, half = unit_bytes(budget, int(peers)), budget // 2
+    size = np.array([p.nbytes for p in plist], np.int64)
+    busiest = np.maximum(_per_device(src, size, n), _per_device(dst, size, n))
+    r = max(1, int((-(-busiest // max(1, half))).max()))
     while True:
-        nxt = most_fit_from(sides, r, budget, unit)
+        nxt = _most_fit(first, klass, src, dst, n, r, unit, half)
         _too_many(nxt, budget)
         if nxt == r:
             return unit, r
         r = nxt
+
+
+def _per_device(ends: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Exact int64 sums of ``values`` per device index (``bincount`` would sum floats)."""
+    out = np.zeros(n, np.int64)
+    np.add.at(out, ends, values)
+    return out
+
+
+def _most_fit(first: list[Pair], klass: np.ndarray, src: np.ndarray, dst: np.ndarray, n: int,
+              rounds: int, unit: int, half: int) -> int:
+    """``most_fit_from`` over every device, from R = ``rounds`` up."""
+    pending = np.ones(n, bool)
+    r = rounds
+    while True:
+        loads = np.array([p.loads(r, unit) for p in first], np.int64)
+        fits = np.ones(n, bool)
+        for i in range(r):
+            col = loads[klass, i]
+            fits &= (_per_device(src, col, n) <= half) & (_per_device(dst, col, n) <= half)
+        pending &= ~fits
+        if not pending.any():
+            return r
+        r += 1
+        if r > MAX_ROUNDS:  # as most_fit_from: returned, then refused by _too_many
+            return MAX_ROUNDS + 1
 
 
 def rounds_of(pairs: Iterable[Pair], local: dict[str, list[Transfer]], unit: int,

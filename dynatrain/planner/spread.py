@@ -348,12 +348,21 @@ def pairs_by_device(transfers: Iterable[Transfer], src_devices: tuple[str, ...],
                     ) -> tuple[dict[tuple[str, str], Pair], dict[str, list[Transfer]]]:
     """Remote pairs, and each device's local copies, from a list of transfers
     (``phase(src_rank, dst_rank)``: a ``PairPhase``)."""
-    by_pair: dict[tuple[str, str], list[Transfer]] = {}
+    # By rank pair, one int each (a rank runs on one device on each side, so rank pairs are
+    # device pairs): millions of transfers on the largest switches.
+    by_ranks: dict[int, list[Transfer]] = {}
+    w = len(dst_devices)
     for t in transfers:
-        by_pair.setdefault((src_devices[t.src_rank], dst_devices[t.dst_rank]), []).append(t)
+        k = t.src_rank * w + t.dst_rank
+        group = by_ranks.get(k)
+        if group is None:
+            by_ranks[k] = [t]
+        else:
+            group.append(t)
     pairs, local = {}, {}
     per_elem: dict[tuple[str, tuple[str, ...]], int] = {}
-    for (s, d), ts in by_pair.items():
+    for k, ts in by_ranks.items():
+        s, d = src_devices[k // w], dst_devices[k % w]
         if s == d:
             local[s] = canonical(ts)
         else:

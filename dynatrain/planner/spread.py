@@ -421,12 +421,18 @@ def _most_fit(first: list[Pair], klass: np.ndarray, src: np.ndarray, dst: np.nda
     pending = np.ones(n, bool)
     r = rounds
     while True:
-        loads = np.array([p.loads(r, unit) for p in first], np.int64)
-        fits = np.ones(n, bool)
-        for i in range(r):
-            col = loads[klass, i]
-            fits &= (_per_device(src, col, n) <= half) & (_per_device(dst, col, n) <= half)
-        pending &= ~fits
+        # Only pairs with a device still pending count; all R rounds at once (R x pairs is
+        # bounded by the budget check's steps limit).
+        live = pending[src] | pending[dst]
+        k, s, d = klass[live], src[live], dst[live]
+        rows = np.unique(k)
+        loads = np.zeros((len(first), r), np.int64)
+        loads[rows] = [first[j].loads(r, unit) for j in rows.tolist()]
+        per = loads[k]
+        out, into = np.zeros((n, r), np.int64), np.zeros((n, r), np.int64)
+        np.add.at(out, s, per)
+        np.add.at(into, d, per)
+        pending &= (out.max(axis=1) > half) | (into.max(axis=1) > half)
         if not pending.any():
             return r
         r += 1

@@ -35,7 +35,7 @@ from strategies import Transition, transitions
 
 MAX_PROCESSES = 8
 POOL = tuple(f"node{n}:gpu{g}" for n in range(2) for g in range(4))
-EXAMPLES = {"ci": 30, "deep": 400}[os.environ.get("DYNATRAIN_HYPOTHESIS", "ci")]
+EXAMPLES = {"ci": 20, "deep": 400}[os.environ.get("DYNATRAIN_HYPOTHESIS", "ci")]
 # (DIRECT_MIN_BYTES, CHUNK_BYTES): as shipped; straight where contiguous in small chunks; all
 # packed.
 PIECES = {"default": (exchange.DIRECT_MIN_BYTES, exchange.CHUNK_BYTES),

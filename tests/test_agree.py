@@ -16,27 +16,16 @@ from hypothesis import strategies as st
 
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import load_spec
-from dynatrain.ir.state import transition_views
-from dynatrain.planner.intersect import PlanError, intersect
-from dynatrain.planner.pipeline import check_compatible, replica_of
-from dynatrain.planner.sources import pick_sources
-from dynatrain.planner.spread import (PairPhase, Pair, fit_from, global_spread, least_rounds,
-                                      pairs_by_device)
+from dynatrain.planner.intersect import PlanError
 from dynatrain.planner.schedule import MAX_ROUNDS, unit_bytes
+from dynatrain.planner.spread import Pair, fit_from, global_spread, least_rounds
 
 from strategies import Transition, transitions
+from test_symmetry import fresh_pairs
 
 LLAMA_70B_DP3 = ("specs/llama3.1-70b/tp8-pp4-dp4.yaml", "specs/llama3.1-70b/tp8-pp4-dp3-96gpu.yaml")
 QWEN_235B = ("specs/qwen3-235b-a22b/tp4-pp8-ep16-256gpu.yaml",
              "specs/qwen3-235b-a22b/tp4-pp8-ep8-192gpu.yaml")
-
-
-def pairs_of(src: Layout, dst: Layout) -> dict[tuple[str, str], Pair]:
-    sv, dv = transition_views(src, dst)
-    derived = ("param",) if dst.spec.state.derive_param else ()
-    picked, _ = pick_sources(intersect(sv, dv, derived), src.devices, dst.devices,
-                             check_compatible(sv, dv), replica_of(dst))
-    return pairs_by_device(picked, src.devices, dst.devices, PairPhase(src, dst))[0]
 
 
 def agreed(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int, int] | None:
@@ -74,12 +63,12 @@ def check(pairs: dict[tuple[str, str], Pair], budget: int) -> None:
 @given(t=transitions(), shrink=st.sampled_from([1, 3]))
 def test_global_spread_is_what_devices_agree_on(t: Transition, shrink: int) -> None:
     src, dst = Layout(t.src), Layout(t.dst)
-    check(pairs_of(src, dst), max(2, t.budget // shrink))
+    check(fresh_pairs(src, dst), max(2, t.budget // shrink))
 
 
 @cache
 def shipped(pair: tuple[str, str]) -> dict[tuple[str, str], Pair]:
-    return pairs_of(Layout(load_spec(pair[0])), Layout(load_spec(pair[1])))
+    return fresh_pairs(Layout(load_spec(pair[0])), Layout(load_spec(pair[1])))
 
 
 @pytest.mark.parametrize("pair,budget", [(LLAMA_70B_DP3, 4 << 30), (LLAMA_70B_DP3, 256 << 20),

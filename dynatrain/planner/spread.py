@@ -211,8 +211,8 @@ class Pair:
                     e = known[k] = t.nbytes // t.box.numel
                 per[k] = e
         # The largest element and, among keys with one that large, the least (``Demand``).
-        self.elem, self.elem_key = min(((-e, k[0]) for k, e in per.items()), default=(0, ""))
-        self.elem = -self.elem
+        self.elem = max(per.values(), default=0)
+        self.elem_key = min((k for (k, _), e in per.items() if e == self.elem), default="")
         self.phase = phase
         self.twin: Pair | None = None
         self._cache: tuple[int, list[list[Transfer]]] | None = None

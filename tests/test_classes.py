@@ -174,6 +174,11 @@ def faults(name: str, plan: Plan, src: Layout, dst: Layout) -> Plan:
             return ms[:-1] + [m._replace(dst_device=plan.dst_devices[(m.dst_rank + 1)
                                                                     % len(plan.dst_devices)])]
         return mutated_members(plan, moved)
+    if name == "member rank outside the layout":
+        def outside(ms):
+            m = ms[-1]
+            return ms[:-1] + [m._replace(src_rank=src.world)]
+        return mutated_members(plan, outside)
     if name == "chunk box shifted":
         cs = list(plan.classes.classes)
         k = big_class(plan)
@@ -189,7 +194,8 @@ def faults(name: str, plan: Plan, src: Layout, dst: Layout) -> Plan:
 
 
 FAULTS = ["member dropped", "member twice", "member reads another position",
-          "member writes another position", "member on the wrong device", "chunk box shifted"]
+          "member writes another position", "member on the wrong device",
+          "member rank outside the layout", "chunk box shifted"]
 
 
 @pytest.mark.parametrize("name", FAULTS)

@@ -252,36 +252,120 @@ class _Parts(dict):
         return p
 
 
-class _PartIds(dict):
-    """Per rank, the identities of its parts: ranks whose first ``depth`` are equal hold the
-    very same first ``depth`` part objects (the view keeps them alive, so ids stay theirs)."""
-
-    def __init__(self, parts: _Parts) -> None:
-        super().__init__()
-        self.parts = parts
-
-    def __missing__(self, rank: int) -> tuple[int, ...]:
-        ids = self[rank] = tuple(map(id, self.parts[rank]))
-        return ids
-
-
-def _add_staging(staging: list[dict[str, int]], class_sizes: list[list[int]], ks: list[int],
-                 srcs: list[int], dsts: list[int], dev_index: dict[str, int]) -> None:
+def _add_staging(staging: list[dict[str, int]], class_sizes: list[list[int]], ks: np.ndarray,
+                 srcs: np.ndarray, dsts: np.ndarray, names: tuple[str, ...]) -> None:
     """Add to each round's staging what the members that follow their class stage: their
-    class's checked bytes on both their devices (numpy: millions of members x rounds)."""
-    if not ks:
+    class's checked bytes on both their devices (``names[i]``: device index i)."""
+    if not len(ks):
         return
-    names = list(dev_index)
-    sizes = np.array(class_sizes, dtype=np.int64)[np.array(ks, dtype=np.int64)]
-    s, d = np.array(srcs, dtype=np.int64), np.array(dsts, dtype=np.int64)
+    sizes = np.array(class_sizes, dtype=np.int64)[ks]
     for i, staged in enumerate(staging):
         b = sizes[:, i]
         on = b > 0
         acc = np.zeros(len(names), dtype=np.int64)
-        np.add.at(acc, s[on], b[on])
-        np.add.at(acc, d[on], b[on])
+        np.add.at(acc, srcs[on], b[on])
+        np.add.at(acc, dsts[on], b[on])
         for j, n in zip(np.flatnonzero(acc).tolist(), acc[acc > 0].tolist()):
             staged[names[j]] += n
+
+
+class _PrefixIds:
+    """Per rank and depth d, one int for the identities of the rank's first d parts: ranks
+    with equal ints there hold the very same first d parts (-1: fewer than d parts)."""
+
+    def __init__(self, parts: _Parts) -> None:
+        self.parts = parts
+
+    def table(self, ranks: np.ndarray, depth: int) -> np.ndarray:
+        """A (depth + 1) x (max rank + 1) table for ``ranks`` (others: -1)."""
+        width = int(ranks.max()) + 1 if len(ranks) else 0
+        out = np.full((depth + 1, width), -1, np.int64)
+        out[0] = 0  # no parts read: every rank answers alike
+        ids: dict[tuple[int, ...], int] = {}
+        for r in np.unique(ranks).tolist():
+            own = tuple(map(id, self.parts[r]))
+            for d in range(1, min(depth, len(own)) + 1):
+                out[d, r] = ids.setdefault(own[:d], len(ids))
+        return out
+
+
+class _Members:
+    """Every member of a ``ClassRounds``, class by class, as arrays: its class, its place in
+    the class, its two ranks and its two devices (indices into ``devices``)."""
+
+    def __init__(self, body, plan: Plan, s_world: int, d_world: int) -> None:
+        index: dict[str, int] = {}
+        n = sum(len(c.members) for c in body.classes)
+        self.klass = np.repeat(np.arange(len(body.classes), dtype=np.int64),
+                               [len(c.members) for c in body.classes])
+        self.pos = np.concatenate([np.arange(len(c.members), dtype=np.int64)
+                                   for c in body.classes]) if n else np.zeros(0, np.int64)
+        every = [m for c in body.classes for m in c.members]
+        self.s_rank = np.fromiter((m.src_rank for m in every), np.int64, n)
+        self.d_rank = np.fromiter((m.dst_rank for m in every), np.int64, n)
+        self.s_dev = np.fromiter((index.setdefault(m.src_device, len(index)) for m in every),
+                                 np.int64, n)
+        self.d_dev = np.fromiter((index.setdefault(m.dst_device, len(index)) for m in every),
+                                 np.int64, n)
+        self.devices = tuple(index)
+        self.s_world, self.d_world = s_world, d_world
+        # Each rank's device as an index (-1: a device no member names, so none matches it).
+        self.s_dev_of = _device_indices(plan.src_devices, s_world, index)
+        self.d_dev_of = _device_indices(plan.dst_devices, d_world, index)
+
+    def follow(self, s_depths: np.ndarray, d_depths: np.ndarray, heads: np.ndarray,
+               s_prefix: _PrefixIds, d_prefix: _PrefixIds) -> np.ndarray:
+        """Which members get their class's answers: both ranks inside the layouts and on
+        the member's devices, the class followable (depth >= 0), and each rank holding the
+        very same leading parts as the first member's, as deep as the class reads them."""
+        sr, dr, k = self.s_rank, self.d_rank, self.klass
+        ok = (sr >= 0) & (sr < self.s_world) & (dr >= 0) & (dr < self.d_world) \
+            & (s_depths[k] >= 0)
+        sr0, dr0 = np.where(ok, sr, 0), np.where(ok, dr, 0)
+        if not (self.s_world and self.d_world):
+            return ok & False
+        ok &= (self.s_dev_of[sr0] == self.s_dev) & (self.d_dev_of[dr0] == self.d_dev)
+        for prefix, depths, col, ranks in ((s_prefix, s_depths, 0, sr0),
+                                           (d_prefix, d_depths, 1, dr0)):
+            if not ok.any():
+                break
+            table = prefix.table(np.concatenate([ranks, heads[:, col]]),
+                                 int(depths.max(initial=0)))
+            dep = np.maximum(depths[k], 0)
+            ok &= table[dep, ranks] == table[dep, heads[k, col]]
+        return ok
+
+    def fed_by_rank(self, follows: np.ndarray) -> "_Fed":
+        return _Fed(self, follows)
+
+
+def _device_indices(devices: tuple[str, ...], world: int, index: dict[str, int]) -> np.ndarray:
+    """Each rank's device as an index into ``index`` (-1: none, or a device no member names,
+    so that no member matches it)."""
+    out = np.full(world, -1, np.int64)
+    for r, d in enumerate(devices[:world]):
+        out[r] = index.get(d, -1)
+    return out
+
+
+class _Fed:
+    """Destination rank -> [(class, place in class)] of the members that follow their class
+    and write into it, in class order (one sort of the members, not a list per rank)."""
+
+    def __init__(self, members: _Members, follows: np.ndarray) -> None:
+        idx = np.flatnonzero(follows)
+        order = idx[np.argsort(members.d_rank[idx], kind="stable")]
+        ranks = members.d_rank[order]
+        self.ranks = set(np.unique(ranks).tolist())
+        self.start = np.searchsorted(ranks, np.arange(members.d_world + 1)).tolist()
+        self.klass = members.klass[order].tolist()
+        self.pos = members.pos[order].tolist()
+
+    def get(self, dr: int, default=()) -> list[tuple[int, int]] | tuple:
+        if dr not in self.ranks:
+            return default
+        a, b = self.start[dr], self.start[dr + 1]
+        return list(zip(self.klass[a:b], self.pos[a:b]))
 
 
 def _depth(hold: Holdings, rank: int, targets: list[Target]) -> int | None:
@@ -323,29 +407,22 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
     destination rank and of what is written into it: a part fed the same write shapes is
     checked once (a failing one is checked and reported for every rank it belongs to)."""
     s_world, d_world = src.layout.world, dst.layout.world
-    s_dev, d_dev = plan.src_devices, plan.dst_devices
+    d_dev = plan.dst_devices
     s_parts, d_parts = _Parts(src), _Parts(dst)
-    s_ids, d_ids = _PartIds(s_parts), _PartIds(d_parts)
     staging: list[dict[str, int]] = [defaultdict(int) for _ in range(body.rounds)]
     count = 0
     shapes = _Shapes()
-    # The members that follow their class: their class, source and destination device
-    # (indices into dev_index), staged from the class's checked sizes by numpy.
     class_sizes: list[list[int]] = []
-    follow_k: list[int] = []
-    follow_s: list[int] = []
-    follow_d: list[int] = []
-    dev_index: dict[str, int] = {}
-    # dst rank -> (class, member) that write as their class's first member does; the writes
-    # of the others, checked one by one, per dst rank
-    fed: dict[int, list[tuple[int, object]]] = defaultdict(list)
-    explicit: dict[int, dict[tuple[int, Target], list[Transfer]]] = defaultdict(
-        lambda: defaultdict(list))
+    # Per class: how many leading parts of its first member's source and destination ranks
+    # its answers read (-1: none do, so no other member can follow it), and those two ranks.
+    s_depths: list[int] = []
+    d_depths: list[int] = []
+    heads: list[tuple[int, int]] = []
     # class -> {destination part index: write shape}; and the writes of that shape, keyed by
     # region, as the class's first member makes them
     part_shapes: list[dict[int, int]] = []
     part_writes: list[dict[int, dict[Target, list[Transfer]]]] = []
-    for k, c in enumerate(body.classes):
+    for c in body.classes:
         head = c.members[0]
         mine: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
         sizes = [checker.run(i, head.src_device, head.dst_device, ch, mine) if ch else 0
@@ -365,30 +442,37 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
                             for j, tws in by_part.items()})
         part_writes.append({j: dict(tws) for j, tws in by_part.items()})
         count += n * len(c.members)
-        h_src = s_ids[h_sr][:s_depth] if s_depth is not None else None
-        h_dst = d_ids[h_dr][:d_depth] if d_depth is not None else None
-        for m in c.members:
-            sr, dr = m.src_rank, m.dst_rank
-            if (h_dst is not None and 0 <= sr < s_world and 0 <= dr < d_world
-                    and s_dev[sr] == m.src_device and d_dev[dr] == m.dst_device
-                    and s_ids[sr][:s_depth] == h_src and d_ids[dr][:d_depth] == h_dst):
-                fed[dr].append((k, m))
-                if m.src_device != m.dst_device:  # a copy within a device stages nothing
-                    follow_k.append(k)
-                    follow_s.append(dev_index.setdefault(m.src_device, len(dev_index)))
-                    follow_d.append(dev_index.setdefault(m.dst_device, len(dev_index)))
-                continue
-            # Not a copy of the first member's answers: every transfer on its own.
-            own = explicit[dr] if 0 <= dr < d_world else defaultdict(list)
-            sizes_m = [checker.run(i, m.src_device, m.dst_device, c.transfers_of(i, m), own)
-                       if ch else 0 for i, ch in enumerate(c.chunks)]
-            if m.src_device != m.dst_device:
-                for i, b in enumerate(sizes_m):
-                    if b:
-                        staging[i][m.src_device] += b
-                        staging[i][m.dst_device] += b
+        followable = s_depth is not None and d_depth is not None
+        s_depths.append(s_depth if followable else -1)
+        d_depths.append(d_depth if followable else -1)
+        heads.append((h_sr, h_dr) if followable else (0, 0))
         class_sizes.append(sizes)
-    _add_staging(staging, class_sizes, follow_k, follow_s, follow_d, dev_index)
+    members = _Members(body, plan, s_world, d_world)
+    follows = members.follow(np.array(s_depths, np.int64), np.array(d_depths, np.int64),
+                             np.array(heads, np.int64).reshape(-1, 2), _PrefixIds(s_parts),
+                             _PrefixIds(d_parts))
+    # Members that follow their class stage its checked bytes on their two devices (numpy:
+    # millions of members x rounds); the others are checked transfer by transfer.
+    remote = follows & (members.s_dev != members.d_dev)
+    _add_staging(staging, class_sizes, members.klass[remote], members.s_dev[remote],
+                 members.d_dev[remote], members.devices)
+    explicit: dict[int, dict[tuple[int, Target], list[Transfer]]] = defaultdict(
+        lambda: defaultdict(list))
+    for j in np.flatnonzero(~follows).tolist():
+        k = int(members.klass[j])
+        c = body.classes[k]
+        m = c.members[int(members.pos[j])]
+        dr = m.dst_rank
+        own = explicit[dr] if 0 <= dr < d_world else defaultdict(list)
+        sizes_m = [checker.run(i, m.src_device, m.dst_device, c.transfers_of(i, m), own)
+                   if ch else 0 for i, ch in enumerate(c.chunks)]
+        if m.src_device != m.dst_device:
+            for i, b in enumerate(sizes_m):
+                if b:
+                    staging[i][m.src_device] += b
+                    staging[i][m.dst_device] += b
+    # dst rank -> (class, member) that write as their class's first member does
+    fed = members.fed_by_rank(follows)
     local: dict[int, dict[tuple[int, Target], list[Transfer]]] = defaultdict(
         lambda: defaultdict(list))  # dst rank -> the local copies' writes
     for d, ts in body.local:
@@ -414,8 +498,8 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
             writes = explicit[dr]
             for key, ws in copies.items():
                 writes[key].extend(ws)
-            for k, m in feeds:
-                _instantiate(body.classes[k], m, writes)
+            for k, pos in feeds:
+                _instantiate(body.classes[k], body.classes[k].members[pos], writes)
             _check_coverage(dst, d_hold, writes, derivable, experts, d_dev, emit, unfilled,
                             (dr,))
             continue
@@ -447,9 +531,9 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
                 ok.add(sig)
                 continue
             own = defaultdict(list)
-            for k, m in feeds:
+            for k, pos in feeds:
                 if j in part_shapes[k]:
-                    _instantiate(body.classes[k], m, own)
+                    _instantiate(body.classes[k], body.classes[k].members[pos], own)
             mine = defaultdict(list, {key: ws for key, ws in own.items()
                                       if d_hold.find_at(dr, key[1]) == j})
             for key, ws in copied.get(j, {}).items():

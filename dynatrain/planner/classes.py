@@ -105,26 +105,32 @@ class SizedMessages:
     local: np.ndarray
     local_bytes: np.ndarray
     local_counts: np.ndarray
+    src_rank: np.ndarray  # each member's two ranks, for readers that check them (``verify``)
+    dst_rank: np.ndarray
 
     @classmethod
     def of(cls, body: ClassRounds) -> "SizedMessages":
         index: dict[str, int] = {}
-        src, dst, klass = [], [], []
-        for k, c in enumerate(body.classes):
-            for m in c.members:
-                src.append(index.setdefault(m.src_device, len(index)))
-                dst.append(index.setdefault(m.dst_device, len(index)))
-                klass.append(k)
+        every = [m for c in body.classes for m in c.members]
+        n = len(every)
+        # One pass in C per column (millions of members on the largest switches); devices
+        # are indexed in the order members name them, source before destination.
+        ends = np.fromiter((index.setdefault(d, len(index)) for m in every
+                            for d in (m.src_device, m.dst_device)), np.int64, 2 * n)
+        klass = np.repeat(np.arange(len(body.classes), dtype=np.int64),
+                          [len(c.members) for c in body.classes])
         r = body.rounds
         local = [index.setdefault(d, len(index)) for d, _ in body.local]
 
         def ints(x) -> np.ndarray:
             return np.array(x, dtype=np.int64)
-        return cls(tuple(index), ints(src), ints(dst), ints(klass),
+        return cls(tuple(index), ends[0::2].copy(), ends[1::2].copy(), klass,
                    ints([c.chunk_bytes() for c in body.classes]).reshape(-1, r),
                    ints([[len(x) for x in c.chunks] for c in body.classes]).reshape(-1, r),
                    ints(local), ints([sum(t.nbytes for t in ts) for _, ts in body.local]),
-                   ints([len(ts) for _, ts in body.local]))
+                   ints([len(ts) for _, ts in body.local]),
+                   np.fromiter((m.src_rank for m in every), np.int64, n),
+                   np.fromiter((m.dst_rank for m in every), np.int64, n))
 
     def totals(self) -> dict[str, int]:
         """Transfers, remote messages, bytes between devices, bytes copied locally."""

@@ -197,13 +197,25 @@ class Pair:
     def __init__(self, src: str, dst: str, transfers: list[Transfer], phase: int,
                  per_elem: dict[tuple[str, tuple[str, ...]], int] | None = None) -> None:
         self.src, self.dst = src, dst
-        self.transfers = canonical(transfers) if len(transfers) > 1 else list(transfers)
-        self.nbytes = sum(t.nbytes for t in self.transfers)
+        ts = self.transfers = canonical(transfers) if len(transfers) > 1 else list(transfers)
+        self.phase = phase
+        self.twin: Pair | None = None
+        self._cache: tuple[int, list[list[Transfer]]] | None = None
+        self._edges: tuple[int, int, list[int]] | None = None
+        self._loads: tuple[int, int, list[int]] | None = None
         # Bytes per element: the same for every transfer of one (key, kinds), so one each
         # (``per_elem``: a memo that the pairs of one plan share).
         known = {} if per_elem is None else per_elem
+        if len(ts) == 1:  # most pairs of the largest switches: no table to build
+            t = ts[0]
+            e = known.get((t.key, t.kinds))
+            if e is None:
+                e = known[(t.key, t.kinds)] = t.nbytes // t.box.numel
+            self.nbytes, self.elem, self.elem_key = t.nbytes, e, t.key
+            return
+        self.nbytes = sum(t.nbytes for t in ts)
         per: dict[tuple[str, tuple[str, ...]], int] = {}
-        for t in self.transfers:
+        for t in ts:
             k = (t.key, t.kinds)
             if k not in per:
                 e = known.get(k)
@@ -213,11 +225,6 @@ class Pair:
         # The largest element and, among keys with one that large, the least (``Demand``).
         self.elem = max(per.values(), default=0)
         self.elem_key = min((k for (k, _), e in per.items() if e == self.elem), default="")
-        self.phase = phase
-        self.twin: Pair | None = None
-        self._cache: tuple[int, list[list[Transfer]]] | None = None
-        self._edges: tuple[int, int, list[int]] | None = None
-        self._loads: tuple[int, int, list[int]] | None = None
 
     def edges(self, rounds: int, unit: int) -> list[int]:
         """``bounds`` of this pair (asked by both its devices' ``_fits`` and by ``chunks``)."""

@@ -294,21 +294,13 @@ class _Members:
     the class, its two ranks and its two devices (indices into ``devices``)."""
 
     def __init__(self, body, plan: Plan, s_world: int, d_world: int) -> None:
-        index: dict[str, int] = {}
-        n = sum(len(c.members) for c in body.classes)
-        self.klass = np.repeat(np.arange(len(body.classes), dtype=np.int64),
-                               [len(c.members) for c in body.classes])
-        self.pos = np.concatenate([np.arange(len(c.members), dtype=np.int64)
-                                   for c in body.classes]) if n else np.zeros(0, np.int64)
-        every = [m for c in body.classes for m in c.members]
-        self.s_rank = np.fromiter((m.src_rank for m in every), np.int64, n)
-        self.d_rank = np.fromiter((m.dst_rank for m in every), np.int64, n)
-        self.s_dev = np.fromiter((index.setdefault(m.src_device, len(index)) for m in every),
-                                 np.int64, n)
-        self.d_dev = np.fromiter((index.setdefault(m.dst_device, len(index)) for m in every),
-                                 np.int64, n)
-        self.devices = tuple(index)
+        sized = body.sized  # the classes' members as arrays (built once, shared with the stats)
+        self.klass, self.s_rank, self.d_rank = sized.klass, sized.src_rank, sized.dst_rank
+        self.s_dev, self.d_dev, self.devices = sized.src, sized.dst, sized.devices
+        starts = np.cumsum([0] + [len(c.members) for c in body.classes])[:-1]
+        self.pos = np.arange(len(self.klass), dtype=np.int64) - starts[self.klass]
         self.s_world, self.d_world = s_world, d_world
+        index = {d: i for i, d in enumerate(self.devices)}
         # Each rank's device as an index (-1: a device no member names, so none matches it).
         self.s_dev_of = _device_indices(plan.src_devices, s_world, index)
         self.d_dev_of = _device_indices(plan.dst_devices, d_world, index)

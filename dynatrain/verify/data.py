@@ -327,9 +327,6 @@ class _Members:
             ok &= table[dep, ranks] == table[dep, heads[k, col]]
         return ok
 
-    def fed_by_rank(self, follows: np.ndarray) -> "_Fed":
-        return _Fed(self, follows)
-
 
 def _device_indices(devices: tuple[str, ...], world: int, index: dict[str, int]) -> np.ndarray:
     """Each rank's device as an index into ``index`` (-1: none, or a device no member names,
@@ -347,17 +344,14 @@ class _Fed:
     def __init__(self, members: _Members, follows: np.ndarray) -> None:
         idx = np.flatnonzero(follows)
         order = idx[np.argsort(members.d_rank[idx], kind="stable")]
-        ranks = members.d_rank[order]
-        self.ranks = set(np.unique(ranks).tolist())
-        self.start = np.searchsorted(ranks, np.arange(members.d_world + 1)).tolist()
+        self.start = np.searchsorted(members.d_rank[order],
+                                     np.arange(members.d_world + 1)).tolist()
         self.klass = members.klass[order].tolist()
         self.pos = members.pos[order].tolist()
 
     def get(self, dr: int, default=()) -> list[tuple[int, int]] | tuple:
-        if dr not in self.ranks:
-            return default
         a, b = self.start[dr], self.start[dr + 1]
-        return list(zip(self.klass[a:b], self.pos[a:b]))
+        return list(zip(self.klass[a:b], self.pos[a:b])) if a < b else default
 
 
 def _depth(hold: Holdings, rank: int, targets: list[Target]) -> int | None:
@@ -463,8 +457,8 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
                 if b:
                     staging[i][m.src_device] += b
                     staging[i][m.dst_device] += b
-    # dst rank -> (class, member) that write as their class's first member does
-    fed = members.fed_by_rank(follows)
+    # dst rank -> (class, place in class) of the members that write as their first does
+    fed = _Fed(members, follows)
     local: dict[int, dict[tuple[int, Target], list[Transfer]]] = defaultdict(
         lambda: defaultdict(list))  # dst rank -> the local copies' writes
     for d, ts in body.local:

@@ -23,7 +23,7 @@ from .lost import StateLost, check_failed, lost_state
 from .place import auto_place
 from .plan import Plan
 from .schedule import Demand, check_demand
-from .sources import pick_sources
+from .sources import ReplicaIndex, pick_sources
 from .classes import LazyRounds, class_rounds
 from .spread import PairPhase, global_spread, pairs_by_device
 
@@ -115,17 +115,10 @@ def _plan(src: Layout, dst: Layout, budget_bytes: int, topology: Topology, trace
     return plan
 
 
-def replica_of(dst: Layout) -> Callable[[int], int]:
+def replica_of(dst: Layout) -> ReplicaIndex:
     """A destination rank's replica index: its rank in the data-parallel-with-context group
-    (``sources``' rotation spreads the replicas of one position over the holders)."""
-    memo: dict[int, int] = {}  # asked once per part and receiver: millions of times
-
-    def replica(rank: int) -> int:
-        r = memo.get(rank)
-        if r is None:
-            r = memo[rank] = dst.coords(rank).dp_cp
-        return r
-    return replica
+    (``sources`` lays the replicas of one position over the holders)."""
+    return ReplicaIndex(dst)
 
 
 def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[str, str], str],

@@ -45,8 +45,8 @@ from ..ir.slots import flat_index, members
 from ..ir.state import STEP_KEY, StateView, Stored, transition_views
 from .intersect import Answer, Holders, PlanError, _answer, _Index
 from .plan import Plan, Transfer
-from .sources import (CandidateCache, ElemBytes, node_of, part_offset, part_transfers,
-                      remote_pieces)
+from .sources import (CandidateCache, ElemBytes, ReplicaIndex, node_of, part_offset,
+                      part_transfers, remote_pieces, slab_point, spread_takers, lane_shift)
 from .spread import Agree, Pair, PairPhase, agree_spread, canonical, link_twins, rounds_of
 
 Model = tuple[int, int, int, int]  # (pp, tp, ep, etp): ranks that hold the same parameters
@@ -373,7 +373,7 @@ def _wanted(entries) -> dict[str, list[Box]]:
 
 
 def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
-                    replica_of: Callable[[int], int], sv: StateView, dv: StateView
+                    replica_of: ReplicaIndex, sv: StateView, dv: StateView
                     ) -> tuple[list[Transfer], list[Transfer]]:
     """(receives, sends) of ``device``: transfers into its destination rank (local copies
     included), and transfers from its source rank to other devices."""
@@ -390,8 +390,8 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
         group_of = {(key, k): kinds for key, kinds in index for k in kinds}
         out: list[Transfer] = []
         for ans in _answer(entries, index, group_of, dst_rank, derived):
-            out.extend(_transfers(ans, dst_rank, here, node_of(dev), replica_of(dst_rank),
-                                  cands, ebytes))
+            out.extend(_transfers(ans, dst_rank, here, node_of(dev), replica_of, cands,
+                                  ebytes))
         return out
 
     recv: list[Transfer] = []
@@ -430,7 +430,7 @@ def slice_transfers(src: Layout, dst: Layout, device: str, dtypes: dict,
                           if dev not in rank_on_device and r != me)
         index = s_side.index((e for got, _ in groups for e in got), opt)
         group_of = {(key, k): kinds for key, kinds in index for k in kinds}
-        taker = _Takers(src, dst, s, rank_on_device, replica_of, d_side.replica)
+        taker = _Takers(src, dst, s, rank_on_device, replica_of, d_side.replica, d_side.edp)
         for entries, ranks in groups:
             if len(ranks) == 1:
                 sends.extend(t for t in receives(ranks[0], entries, index) if t.src_rank == s)
@@ -463,32 +463,38 @@ def _touches(e: Stored, held: dict[str, dict[str, _BoxSet]]) -> bool:
 class _Takers:
     """The transfers one source rank sends to a group of destination ranks that ask about the
     same entries (the DP replicas of a class), without picking for every replica: a receiver
-    whose node holds none of a part takes piece i from ``ranks[(replica + offset + i) % n]``
-    (``sources``), so the replicas that take it from this rank are found by arithmetic. Only
-    the receivers on this rank's own node (which pick among their node's holders) are picked
-    one by one."""
+    whose node holds none of a part takes each slab from the holder ``sources.spread_index``
+    gives, and the replicas that take a slab from this rank are one run of replica indices
+    (``spread_takers``). Only the receivers on this rank's own node (which pick among their
+    node's holders) are picked one by one."""
 
     def __init__(self, src: Layout, dst: Layout, s: int, rank_on_device: dict[str, int],
-                 replica_of: Callable[[int], int], replicas: np.ndarray) -> None:
+                 replica_of: ReplicaIndex, replicas: np.ndarray, expert: np.ndarray) -> None:
         self.dst, self.s = dst, s
         self.node = node_of(src.devices[s])
         self.rank_on_device = rank_on_device
         self.replica_of = replica_of
-        self.replicas = replicas  # every destination rank's replica_of, at once
+        # every destination rank's replica index, at once: dense, and for expert weights
+        self.replicas, self.expert = replicas, expert
 
     def sends(self, answers, ranks: list[int], cands: CandidateCache,
               ebytes: ElemBytes) -> list[Transfer]:
         dst, s = self.dst, self.s
-        by_replica = dict(zip(self.replicas[ranks].tolist(), ranks))
-        if len(by_replica) != len(ranks):  # not one rank per replica: pick for each
+        dense = dict(zip(self.replicas[ranks].tolist(), ranks))
+        expert = dict(zip(self.expert[ranks].tolist(), ranks))
+        if len(dense) != len(ranks) or len(expert) != len(ranks):
             raise PlanError("internal: a destination class repeats a replica index")
-        top = max(by_replica)
+        experts = self.replica_of.expert_keys
         node = {r: node_of(dst.devices[r]) for r in ranks}
         near = [r for r in ranks if node[r] == self.node]  # takers on this rank's node
         out: list[Transfer] = []
         for ans in answers:
             e = ans.entry
             eb = ebytes(e.key, ans.kinds)
+            if e.key in experts:
+                by_replica, m = expert, self.replica_of.expert_count
+            else:
+                by_replica, m = dense, self.replica_of.count
             for box, holders in ans.parts:
                 c = cands(holders)
                 if s not in c.members:
@@ -496,33 +502,47 @@ class _Takers:
                 nbytes = box.numel * eb
                 for r in near:
                     here = self.rank_on_device.get(dst.devices[r], -1)
+                    rep, _ = self.replica_of.of(r, e.key)
                     out.extend(t for t in part_transfers(
-                        e.key, ans.kinds, box, nbytes, c, r, here, self.node,
-                        self.replica_of(r), e.slot, e.box) if t.src_rank == s)
+                        e.key, ans.kinds, box, nbytes, c, r, here, self.node, rep, e.slot,
+                        e.box, m) if t.src_rank == s)
                 n = len(c.ranks)
                 i = bisect_left(c.ranks, s)
                 offset = part_offset(e.key, box)
                 h = c.group[s]
-                for piece, (sub, sub_bytes) in enumerate(remote_pieces(box, nbytes, c)):
-                    for rep in range((i - offset - piece) % n, top + 1, n):
+                pieces = remote_pieces(box, nbytes, c)
+                # Per taker, the slabs it takes from this rank: one run of consecutive slabs
+                # (its holder is monotone in the slab's fraction but for one wrap), or two.
+                runs: dict[int, list[list]] = {}
+                for k, (sub, sub_bytes) in enumerate(pieces):
+                    lane, fraction = slab_point(offset, k, len(pieces))
+                    for rep in spread_takers(i, m, fraction, n, lane_shift(lane, n)):
                         r = by_replica.get(rep)
                         # A taker on a node holding the part picks there (its own device
                         # first); those on this rank's node were picked above.
                         if r is None or node[r] in c.by_node:
                             continue
-                        out.append(Transfer(e.key, ans.kinds, sub, s, r, h.slot, h.anchor,
-                                            e.slot, e.box, sub_bytes))
+                        mine = runs.setdefault(r, [])
+                        if mine and mine[-1][0] == k - 1:
+                            mine[-1][0], mine[-1][2] = k, mine[-1][2] + sub_bytes
+                            mine[-1][1] = Box(mine[-1][1].lo, sub.hi)
+                        else:
+                            mine.append([k, sub, sub_bytes])
+                for r, got in runs.items():
+                    out.extend(Transfer(e.key, ans.kinds, sub, s, r, h.slot, h.anchor, e.slot,
+                                        e.box, sub_bytes) for _, sub, sub_bytes in got)
         return out
 
 
-def _transfers(ans: Answer, dst_rank: int, here: int, dst_node: str, replica: int,
+def _transfers(ans: Answer, dst_rank: int, here: int, dst_node: str, replica_of: ReplicaIndex,
                cands: CandidateCache, ebytes: ElemBytes) -> list[Transfer]:
     e = ans.entry
     eb = ebytes(e.key, ans.kinds)
+    replica, replicas = replica_of.of(dst_rank, e.key)
     out: list[Transfer] = []
     for box, holders in ans.parts:
         out.extend(part_transfers(e.key, ans.kinds, box, box.numel * eb, cands(holders),
-                                  dst_rank, here, dst_node, replica, e.slot, e.box))
+                                  dst_rank, here, dst_node, replica, e.slot, e.box, replicas))
     return out
 
 

@@ -1,21 +1,31 @@
-"""Pick one source per needed part: same device, then same node, then a rotation over holders.
+"""Pick one source per needed part: same device, then same node, then a scaled choice.
 
 Every choice is a function of the part, its holders and the receiving rank alone, never of
 what else the plan sends: a process can compute its own receives, and a sender which of its
 parts each receiver takes from it, without planning anyone else's part (``planner.slices``).
-Balance comes from the rotation: the receiver's replica index (its rank in the destination's
-data-parallel-with-context group) plus a fixed offset per part picks the holder, and a large
-replicated part is picked slab by slab, each slab one holder further. Replicas of one position
-thus spread evenly over the holders, and so do the slabs of one big part.
+
+A receiver whose node holds none of a part picks among all of its n holders by scaling: the
+m replicas of its position (its rank in the data-parallel-with-context group; for expert
+weights, in the expert-data-parallel group) are laid over the n holders, replica j covering
+the stretch [j n/m, (j+1) n/m), and a fixed fraction per part in [0, 1) picks the point of
+that stretch (``spread_index``). So every holder serves the m replicas of a part alike (each
+at most once when n >= m), while one receiver takes its parts from the one to three holders
+its stretch crosses, not from a different holder per part: a 98304-GPU data-parallel shrink
+then has a few device pairs per receiver instead of dozens, each carrying many parts. A large
+replicated part is picked slab by slab, the slabs sweeping every fraction of ``LANES`` turns
+of the pool, so it is spread evenly over the holders for every receiver; the slabs one
+receiver takes from the same holder in a row are one transfer. On the receiver's own node the
+holders are few (a node's GPUs): there the receiver's replica index plus a fixed offset per
+part rotates over them, slab by slab.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..ir.box import Box
-from ..ir.layout import DTYPE_BYTES
+from ..ir.layout import DTYPE_BYTES, Layout
 from .intersect import Holders, Intersection
 from .plan import Transfer
 
@@ -45,7 +55,8 @@ _KEY_SALT: dict[str, int] = {}
 
 def part_offset(key: str, box: Box) -> int:
     """A fixed offset per part (stable across processes, unlike ``hash`` of a string), so
-    that small parts of one position do not all start the rotation at the same holder."""
+    that the parts of one position fall on every point of a stretch (and, on a node, do not
+    all start the rotation at the same holder)."""
     salt = _KEY_SALT.get(key)
     if salt is None:
         salt = _KEY_SALT[key] = zlib.crc32(key.encode())
@@ -89,13 +100,6 @@ class Candidates:
                 shared[ranks] = hit
         self.ranks, self.members, self.by_node = hit
 
-    def choose(self, here: int, dst_node: str, replica: int, offset: int, slab: int) -> int:
-        """The rank a receiver takes slab ``slab`` of this part from."""
-        if here in self.members:
-            return here
-        near = self.by_node.get(dst_node)
-        pool = near if near else self.ranks
-        return pool[(replica + offset + slab) % len(pool)]
 
 
 class CandidateCache:
@@ -124,22 +128,85 @@ def remote_pieces(box: Box, nbytes: int, cands: Candidates) -> list[tuple[Box, i
     return [(box, nbytes)]
 
 
+_MASK = 0xFFFFFFFF
+
+
+# A large part's slabs are spread over this many lanes, each a shift of the pool by 1/LANES:
+# a receiver takes such a part from as many holders, so the holders' loads stay even however
+# the receivers that take it locally or on their node fall (measured on the Qwen3-235B
+# switch: with one lane the busiest sender moves 28.0 GiB against a mean of 23.5; with two,
+# 24.5, as with a holder per slab).
+LANES = 2
+
+
+def slab_point(offset: int, slab: int, slabs: int) -> tuple[int, int]:
+    """Slab ``slab`` of ``slabs``' (lane, fraction in 2**-32 units): a part's own offset plus
+    the slab's share of LANES turns, so the slabs of one part sweep every lane once, each
+    lane's fraction from 0 to 1. A part of one slab takes lane 0 at its offset."""
+    lanes = LANES if slabs > 1 else 1
+    x = (offset * lanes + ((slab * lanes) << 32) // slabs) % (lanes << 32)
+    return x >> 32, x & _MASK
+
+
+def lane_shift(lane: int, n: int) -> int:
+    """How many holders of ``n`` lane ``lane`` turns the pool on."""
+    return lane * n // LANES
+
+
+def spread_index(replica: int, replicas: int, fraction: int, n: int, shift: int) -> int:
+    """The pool index (of ``n`` holders) that replica ``replica`` of ``replicas`` takes a
+    piece at ``fraction`` (2**-32 units) of its stretch [j n/m, (j+1) n/m) from, the pool
+    turned ``shift`` holders on (``lane_shift``)."""
+    w = (((replica % replicas) << 32) + fraction) * n // (replicas << 32)
+    return (w + shift) % n
+
+
+def spread_takers(index: int, replicas: int, fraction: int, n: int, shift: int) -> range:
+    """The replicas that ``spread_index`` sends to pool index ``index`` for ``fraction``: one
+    run of them, as its stretch is monotone in the replica."""
+    v = (index - shift) % n
+    one, scaled = n << 32, fraction * n
+
+    def first_at_least(w: int) -> int:  # the least replica whose stretch point reaches w
+        return -((scaled - w * (replicas << 32)) // one)
+    return range(max(0, first_at_least(v)), min(replicas, first_at_least(v + 1)))
+
+
 def part_transfers(key: str, kinds: tuple[str, ...], box: Box, nbytes: int,
                    cands: Candidates, dst_rank: int, here: int, dst_node: str, replica: int,
-                   dst_slot, dst_anchor: Box) -> list[Transfer]:
-    """The transfers that bring one part to ``dst_rank``: one, or one per slab of a large
-    replicated part not held on the receiver's device (each slab from the next holder)."""
-    offset = part_offset(key, box)
+                   dst_slot, dst_anchor: Box, replicas: int = 1) -> list[Transfer]:
+    """The transfers that bring one part to ``dst_rank`` (replica ``replica`` of
+    ``replicas``): one, or one per run of slabs of a large replicated part not held on the
+    receiver's device that it takes from the same holder."""
     if here in cands.members:
         h = cands.group[here]
         return [Transfer(key, kinds, box, here, dst_rank, h.slot, h.anchor, dst_slot,
                          dst_anchor, nbytes)]
-    out = []
-    for s, (sub, n) in enumerate(remote_pieces(box, nbytes, cands)):
-        r = cands.choose(here, dst_node, replica, offset, s)
+    offset = part_offset(key, box)
+    pieces = remote_pieces(box, nbytes, cands)
+    near = cands.by_node.get(dst_node)
+    out: list[Transfer] = []
+    if near:  # few holders on the node: rotate, slab by slab
+        for s, (sub, n) in enumerate(pieces):
+            r = near[(replica + offset + s) % len(near)]
+            h = cands.group[r]
+            out.append(Transfer(key, kinds, sub, r, dst_rank, h.slot, h.anchor, dst_slot,
+                                dst_anchor, n))
+        return out
+    pool, k = cands.ranks, len(pieces)
+    last = -1
+    for s, (sub, n) in enumerate(pieces):
+        lane, fraction = slab_point(offset, s, k)
+        r = pool[spread_index(replica, replicas, fraction, len(pool),
+                              lane_shift(lane, len(pool)))]
+        if r == last:  # the next slab from the same holder: one transfer
+            t = out[-1]
+            out[-1] = t._replace(box=Box(t.box.lo, sub.hi), nbytes=t.nbytes + n)
+            continue
         h = cands.group[r]
         out.append(Transfer(key, kinds, sub, r, dst_rank, h.slot, h.anchor, dst_slot,
                             dst_anchor, n))
+        last = r
     return out
 
 
@@ -161,11 +228,55 @@ class ElemBytes:
         return eb
 
 
+class ReplicaIndex:
+    """A destination rank's replica index among the ranks that hold the same parameters, and
+    how many there are: for dense state its rank in the data-parallel-with-context group (of
+    ``count``), for expert weights its expert-data-parallel rank (of ``expert_count``). The
+    choice above lays the replicas of one position over the holders."""
+
+    def __init__(self, dst: Layout) -> None:
+        self.layout = dst
+        self.count = dst.dp * dst.parallel.cp
+        self.expert_count = dst.edp
+        self._memo: dict[int, tuple[int, int]] = {}  # asked per part and receiver: millions
+        self._keys: frozenset[str] | None = None
+
+    def __call__(self, rank: int) -> int:
+        return self.both(rank)[0]
+
+    def both(self, rank: int) -> tuple[int, int]:
+        """(dense replica index, expert replica index) of ``rank``."""
+        r = self._memo.get(rank)
+        if r is None:
+            c = self.layout.coords(rank)
+            r = self._memo[rank] = (c.dp_cp, c.edp)
+        return r
+
+    @property
+    def expert_keys(self) -> frozenset[str]:
+        """Checkpoint keys of the expert weights (their replicas are expert-data-parallel)."""
+        if self._keys is None:
+            L = self.layout
+            self._keys = frozenset(d.key for pp in range(L.parallel.pp)
+                                   for ep in range(L.parallel.ep)
+                                   for defs, _ in L.chunk_defs(pp, ep) for d in defs
+                                   if d.expert)
+        return self._keys
+
+    def of(self, rank: int, key: str) -> tuple[int, int]:
+        """(replica index, replica count) of ``rank`` for tensor ``key``."""
+        dense, expert = self.both(rank)
+        if key in self.expert_keys:
+            return expert, self.expert_count
+        return dense, self.count
+
+
 def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices: tuple[str, ...],
-                 dtypes: dict[tuple[str, str], str],
-                 replica_of: Callable[[int], int] = lambda r: 0) -> tuple[list[Transfer], int]:
-    """One ``Transfer`` per needed part (per slab of a large replicated one), from the holder
-    the rules above give. ``replica_of(dst_rank)``: the receiver's replica index.
+                 dtypes: dict[tuple[str, str], str], replica_of: ReplicaIndex | None = None
+                 ) -> tuple[list[Transfer], int]:
+    """One ``Transfer`` per needed part (per run of slabs of a large replicated one), from the
+    holder the rules above give. ``replica_of(dst_rank)``: the receiver's replica index (None:
+    every receiver is replica 0 of 1).
 
     Also returns the lower bound on bytes that must cross devices: parts that no source rank
     on the destination device holds.
@@ -178,15 +289,16 @@ def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices:
     for dst_rank, dst_dev in enumerate(dst_devices):
         here = rank_on_device.get(dst_dev, -1)
         dst_node = node_of(dst_dev)
-        replica = replica_of(dst_rank)
         for ans in inter.answers(dst_rank):
             e = ans.entry
             eb = elem_bytes(e.key, ans.kinds)
+            replica, replicas = replica_of.of(dst_rank, e.key) if replica_of is not None \
+                else (0, 1)
             for box, holders in ans.parts:
                 c = cands(holders)
                 nbytes = box.numel * eb
                 ts = part_transfers(e.key, ans.kinds, box, nbytes, c, dst_rank, here,
-                                    dst_node, replica, e.slot, e.box)
+                                    dst_node, replica, e.slot, e.box, replicas)
                 if ts[0].src_rank != here:
                     remote += nbytes
                 out.extend(ts)

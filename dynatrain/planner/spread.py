@@ -16,6 +16,7 @@ the global planner computes over all devices and live processes compute with an 
 from __future__ import annotations
 
 import zlib
+from math import gcd
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -32,18 +33,20 @@ class PairPhase:
     """A per-pair phase in [0, 2**32), so that small pairs land in different rounds.
 
     A function of where the two ranks sit, not of device names: the (TP, PP) position of
-    each and how far apart their data-parallel-with-context indices are (mod the source's
-    group size n). A receiver's pairs all differ in that triple, and so do a sender's,
-    except where the destination has more than n replicas: replicas n apart then take the
-    same parts from it and are cut alike (measured: no change in predicted time on DP-growing
-    switches). Moving every receiver of one position k replicas along while its senders move
-    k along too keeps every phase, so the data-parallel replicas that ``sources``' rotation
-    feeds are cut into rounds alike, and ``link_twins`` cuts each shape once.
+    each and how their data-parallel-with-context indices si (of the source's n) and di (of
+    the destination's m) relate: si m' - di n' mod n m', with n', m' the two counts divided by
+    their greatest common divisor. A receiver's pairs all differ in that triple, and so do a
+    sender's. ``sources`` lays the m replicas of a position over the n holders, so moving
+    every receiver m' replicas along moves its senders n' along: every phase stays, the
+    data-parallel replicas it feeds alike are cut into rounds alike, and ``link_twins`` cuts
+    each shape once. (With n = m the triple's last entry is si - di mod n.)
     """
 
     def __init__(self, src: Layout, dst: Layout) -> None:
         self.src, self.dst = src, dst
-        self.n = src.dp * src.parallel.cp
+        n, m = src.dp * src.parallel.cp, dst.dp * dst.parallel.cp
+        g = gcd(n, m)
+        self.n_step, self.m_step, self.period = n // g, m // g, n * (m // g)
         self._src: dict[int, tuple[str, int]] = {}  # rank -> (position, replica index)
         self._dst: dict[int, tuple[str, int]] = {}
         self._phases: dict[tuple[str, str, int], int] = {}
@@ -59,7 +62,7 @@ class PairPhase:
     def __call__(self, src_rank: int, dst_rank: int) -> int:
         sp, si = self._where(self.src, self._src, src_rank)
         dp, di = self._where(self.dst, self._dst, dst_rank)
-        key = (sp, dp, (si - di) % self.n)
+        key = (sp, dp, (si * self.m_step - di * self.n_step) % self.period)
         phase = self._phases.get(key)
         if phase is None:  # few distinct triples: the replicas of a position repeat them
             phase = self._phases[key] = zlib.crc32(f"{sp}>{dp}|{key[2]}".encode())
@@ -274,8 +277,8 @@ def link_twins(pairs: Iterable[Pair]) -> None:
     """Point every pair at the first earlier pair of its shape (``Pair.twin``).
 
     Pairs of one shape are cut alike: ``split`` reads only a pair's transfers (ranks aside),
-    its bytes and its phase. The data-parallel replicas of one position fed by the same
-    rotation over the source replicas have such pairs (``PairPhase``), so the symmetric
+    its bytes and its phase. The data-parallel replicas of one position that ``sources``
+    feeds alike have such pairs (``PairPhase``), so the symmetric
     ranks of a switch are cut once (a test compares with splitting every pair alone)."""
     first: dict[tuple, Pair] = {}
     for p in pairs:

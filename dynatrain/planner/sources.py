@@ -257,9 +257,9 @@ class ReplicaIndex:
         """Checkpoint keys of the expert weights (their replicas are expert-data-parallel)."""
         if self._keys is None:
             L = self.layout
+            # Keys name the expert family, not the EP rank: EP rank 0's stages list them all.
             self._keys = frozenset(d.key for pp in range(L.parallel.pp)
-                                   for ep in range(L.parallel.ep)
-                                   for defs, _ in L.chunk_defs(pp, ep) for d in defs
+                                   for defs, _ in L.chunk_defs(pp, 0) for d in defs
                                    if d.expert)
         return self._keys
 

@@ -101,7 +101,6 @@ class Candidates:
         self.ranks, self.members, self.by_node = hit
 
 
-
 class CandidateCache:
     """``Candidates`` per holders tuple, keyed by the tuple's id (it is kept alive)."""
 
@@ -241,9 +240,6 @@ class ReplicaIndex:
         self._memo: dict[int, tuple[int, int]] = {}  # asked per part and receiver: millions
         self._keys: frozenset[str] | None = None
 
-    def __call__(self, rank: int) -> int:
-        return self.both(rank)[0]
-
     def both(self, rank: int) -> tuple[int, int]:
         """(dense replica index, expert replica index) of ``rank``."""
         r = self._memo.get(rank)
@@ -275,8 +271,8 @@ def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices:
                  dtypes: dict[tuple[str, str], str], replica_of: ReplicaIndex | None = None
                  ) -> tuple[list[Transfer], int]:
     """One ``Transfer`` per needed part (per run of slabs of a large replicated one), from the
-    holder the rules above give. ``replica_of(dst_rank)``: the receiver's replica index (None:
-    every receiver is replica 0 of 1).
+    holder the rules above give. ``replica_of.of(dst_rank, key)``: the receiver's replica
+    index and count (None: every receiver is replica 0 of 1).
 
     Also returns the lower bound on bytes that must cross devices: parts that no source rank
     on the destination device holds.

@@ -25,6 +25,7 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from operator import add, ge, sub
 
 from .box import Box
 from .buffers import BufferLayout, OwnedRange, owned_ranges
@@ -123,6 +124,13 @@ class _Families:
                 out.append(item)
                 continue
             (key, primary, npre, parts), names, cut = self.groups[item]
+            if cut is None and len(names) == 1:  # one member (most optimizer shards at scale)
+                (lead, name), = names.items()
+                lead_hi = tuple([i + 1 for i in lead])
+                for t_lo, t_hi, slot in parts:
+                    out.append(Stored(key, self.kinds, Box(lead + t_lo, lead_hi + t_hi),
+                                      renamed(slot, name), primary))
+                continue
             for t_lo, t_hi, slot in parts:
                 for lo, hi, grid in cut or family_cut(names):
                     box = Box(lo + t_lo, hi + t_hi)
@@ -174,6 +182,7 @@ class StateView:
                               f" Got {self.vocab_rows}")
         self._tensors: dict[tuple[str, str], LogicalTensor] | None = None
         self._buffer_cache: dict[tuple[int, ...], tuple[Stored, ...]] = {}
+        self._templates: dict[tuple, tuple] = {}  # whole stacked weights' shard templates
         st = layout.spec.state
         self.kinds: dict[str, str] = {"param": st.param}
         for k in OPTIMIZER_KINDS:
@@ -401,11 +410,44 @@ class StateView:
         return out
 
     def _flat_template(self, sh: Shard, o: OwnedRange, chunk: int, bi: int) -> tuple:
-        """A stacked weight's optimizer-shard regions past its leading axes (``_Families``)."""
-        npre = len(sh.param.prepend)
-        return (sh.param.key, not sh.param.tied_copy, npre,
-                tuple((box.lo[npre:], box.hi[npre:], slot)
-                      for box, slot in self._flat_regions(sh, o, chunk, bi)))
+        """A stacked weight's optimizer-shard regions past its leading axes (``_Families``).
+
+        Computed in the coordinates past those axes, straight from the split's template (a
+        stacked weight is never vocab-split, so no row is clipped). A whole weight's template
+        is the same on every optimizer rank that owns one: kept per view."""
+        p, shape = sh.param, sh.local_shape
+        whole = o.param[0] == 0 and o.param[1] == math.prod(shape)
+        key = (p.key, p.split, shape, sh.template, o.param, chunk, bi) if whole else None
+        hit = self._templates.get(key) if whole else None
+        if hit is None:
+            hit = (p.key, not p.tied_copy, len(p.prepend),
+                   tuple(_stripped_flat_regions(shape, sh.template, o, chunk, bi)))
+            if whole:
+                self._templates[key] = hit
+        return hit
+
+
+def _stripped_flat_regions(shape: tuple[int, ...], pieces: tuple, o: OwnedRange, chunk: int,
+                           bi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], FlatSlot]]:
+    """``StateView._flat_regions`` of a weight without leading axes nor vocab rows: (global lo,
+    global hi, slot) per region, the split given as its template ((local offset, global lo,
+    global hi), ...)."""
+    out = []
+    base = o.param[0]
+    for lo, size in flat_boxes(shape, *o.param):
+        hi = tuple(map(add, lo, size))
+        parts = []
+        for off, g_lo, g_hi in pieces:
+            a = tuple(map(max, lo, off))
+            z = tuple(map(min, hi, map(add, off, map(sub, g_hi, g_lo))))
+            if any(map(ge, a, z)):
+                continue
+            shift = tuple(map(sub, g_lo, off))
+            parts.append((a, Box(tuple(map(add, a, shift)), tuple(map(add, z, shift)))))
+        for plo, box in merge_adjacent(parts, 0, shape):
+            out.append((box.lo, box.hi, FlatSlot(chunk, bi, o.name,
+                                                 flat_index(shape, plo) - base)))
+    return out
 
 
 def storage_tensors(view: StateView, rank: int) -> dict[tuple, tuple[tuple[int, ...], str]]:

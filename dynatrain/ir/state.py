@@ -432,6 +432,8 @@ def _stripped_flat_regions(shape: tuple[int, ...], pieces: tuple, o: OwnedRange,
     """``StateView._flat_regions`` of a weight without leading axes nor vocab rows: (global lo,
     global hi, slot) per region, the split given as its template ((local offset, global lo,
     global hi), ...)."""
+    if len(shape) == 2:  # nearly every weight: scalar arithmetic, no tuple maps
+        return _stripped_flat_regions_2d(shape, _piece_table(pieces), o, chunk, bi)
     out = []
     base = o.param[0]
     for lo, size in flat_boxes(shape, *o.param):
@@ -447,6 +449,46 @@ def _stripped_flat_regions(shape: tuple[int, ...], pieces: tuple, o: OwnedRange,
         for plo, box in merge_adjacent(parts, 0, shape):
             out.append((box.lo, box.hi, FlatSlot(chunk, bi, o.name,
                                                  flat_index(shape, plo) - base)))
+    return out
+
+
+@lru_cache(maxsize=1 << 12)
+def _piece_table(pieces: tuple) -> tuple[tuple[int, int, int, int, int, int], ...]:
+    """A 2-d split template as (local row, local col, local row end, local col end, row
+    shift, col shift) per piece."""
+    return tuple((o0, o1, o0 + h0 - g0, o1 + h1 - g1, g0 - o0, g1 - o1)
+                 for (o0, o1), (g0, g1), (h0, h1) in pieces)
+
+
+def _stripped_flat_regions_2d(shape: tuple[int, int], table: tuple, o: OwnedRange, chunk: int,
+                              bi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], FlatSlot]]:
+    """``_stripped_flat_regions`` of a 2-d weight: the flat range cut into a partial first
+    row, whole rows and a partial last row (``flat_boxes``'s boxes, in its order), each
+    mapped through the pieces."""
+    rows, cols = shape
+    a, b = o.param
+    boxes = []
+    row = a // cols
+    if a % cols:
+        end = min(b, (row + 1) * cols)
+        boxes.append((row, a % cols, row + 1, end - row * cols))
+        a, row = end, row + 1
+    if b // cols > row:
+        boxes.append((row, 0, b // cols, cols))
+        a = b // cols * cols
+    if a < b:
+        boxes.append((a // cols, 0, a // cols + 1, b - a))
+    out = []
+    base = o.param[0]
+    for r0, c0, r1, c1 in boxes:
+        parts = []
+        for p0, p1, e0, e1, s0, s1 in table:
+            a0, z0 = (r0 if r0 > p0 else p0), (r1 if r1 < e0 else e0)
+            a1, z1 = (c0 if c0 > p1 else p1), (c1 if c1 < e1 else e1)
+            if a0 < z0 and a1 < z1:
+                parts.append(((a0, a1), Box((a0 + s0, a1 + s1), (z0 + s0, z1 + s1))))
+        for (l0, l1), box in merge_adjacent(parts, 0, shape):
+            out.append((box.lo, box.hi, FlatSlot(chunk, bi, o.name, l0 * cols + l1 - base)))
     return out
 
 

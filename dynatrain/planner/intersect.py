@@ -16,6 +16,8 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..ir.box import Box
 from ..ir.errors import DynatrainError
 from ..ir.slots import Slot
@@ -66,25 +68,44 @@ class Intersection:
 
 
 class _Sorted:
-    """Boxes sorted along one dim for range queries (``reach``: their largest extent there)."""
+    """Boxes sorted along one dim for range queries."""
 
     def __init__(self, entries: list[tuple[Box, tuple[Holders, ...]]], dim: int) -> None:
         entries.sort(key=lambda e: (e[0].lo, e[0].hi))
         self.dim = dim
         self.entries = entries
         self.los = [b.lo[dim] for b, _ in entries]
-        self.reach = max((b.hi[dim] - b.lo[dim] for b, _ in entries), default=1)
+        # The largest end along ``dim`` up to each entry: entries before the first one past a
+        # query's start all end before it (tighter than a start minus the longest extent).
+        self.ends = list(itertools.accumulate((b.hi[dim] for b, _ in entries), max))
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     def query(self, box: Box) -> list[Part]:
         d = self.dim
-        i = bisect.bisect_right(self.los, box.lo[d] - self.reach)
-        j = bisect.bisect_left(self.los, box.hi[d])
+        i = bisect.bisect_right(self.ends, box.lo[d])
+        j = bisect.bisect_left(self.los, box.hi[d], i)
+        entries = self.entries
+        if j - i > _SCAN:  # many candidates (boxes of other columns, say): filter in numpy
+            lo, hi = self._bounds()
+            hits = np.flatnonzero((lo[i:j] < box.hi).all(1) & (hi[i:j] > box.lo).all(1))
+            candidates = [entries[i + k] for k in hits.tolist()]
+        else:
+            candidates = entries[i:j]
         out = []
-        for b, holders in self.entries[i:j]:
+        for b, holders in candidates:
             part = box if b == box else box & b
             if part is not None:
                 out.append((part, holders))
         return out
+
+    def _bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = (np.array([b.lo for b, _ in self.entries], np.int64),
+                            np.array([b.hi for b, _ in self.entries], np.int64))
+        return self._arrays
+
+
+_SCAN = 12  # candidate boxes a query tests one by one; past this, numpy filters them first
 
 
 class _Index:

@@ -45,8 +45,8 @@ from ..ir.slots import flat_index, members
 from ..ir.state import STEP_KEY, StateView, Stored, transition_views
 from .intersect import Answer, Holders, PlanError, _answer, _Index
 from .plan import Plan, Transfer
-from .sources import (CandidateCache, ElemBytes, ReplicaIndex, node_of, part_offset,
-                      part_transfers, remote_pieces, slab_point, spread_takers, lane_shift)
+from .sources import (CandidateCache, ElemBytes, PartChoice, ReplicaIndex, node_of,
+                      part_transfers, spread_takers)
 from .spread import Agree, Pair, PairPhase, agree_spread, canonical, link_twins, rounds_of
 
 Model = tuple[int, int, int, int]  # (pp, tp, ep, etp): ranks that hold the same parameters
@@ -508,15 +508,13 @@ class _Takers:
                         e.box, m) if t.src_rank == s)
                 n = len(c.ranks)
                 i = bisect_left(c.ranks, s)
-                offset = part_offset(e.key, box)
                 h = c.group[s]
-                pieces = remote_pieces(box, nbytes, c)
                 # Per taker, the slabs it takes from this rank: one run of consecutive slabs
                 # (its holder is monotone in the slab's fraction but for one wrap), or two.
                 runs: dict[int, list[list]] = {}
-                for k, (sub, sub_bytes) in enumerate(pieces):
-                    lane, fraction = slab_point(offset, k, len(pieces))
-                    for rep in spread_takers(i, m, fraction, n, lane_shift(lane, n)):
+                for k, (sub, sub_bytes, shift, fraction) in enumerate(
+                        PartChoice(e.key, box, nbytes, c).pieces):
+                    for rep in spread_takers(i, m, fraction, n, shift):
                         r = by_replica.get(rep)
                         # A taker on a node holding the part picks there (its own device
                         # first); those on this rank's node were picked above.

@@ -171,33 +171,51 @@ def spread_takers(index: int, replicas: int, fraction: int, n: int, shift: int) 
     return range(max(0, first_at_least(v)), min(replicas, first_at_least(v + 1)))
 
 
+class PartChoice:
+    """What the choice reads of one part, alike for every receiver: its offset and its
+    pieces (``remote_pieces``), each with the pool shift of its lane and its fraction
+    (``slab_point``). Built once per part and reused by all the replicas that need it."""
+
+    __slots__ = ("offset", "pieces")
+
+    def __init__(self, key: str, box: Box, nbytes: int, cands: Candidates) -> None:
+        self.offset = offset = part_offset(key, box)
+        pieces = remote_pieces(box, nbytes, cands)
+        n = len(cands.ranks)
+        self.pieces = []
+        for s, (sub, size) in enumerate(pieces):
+            lane, fraction = slab_point(offset, s, len(pieces))
+            self.pieces.append((sub, size, lane_shift(lane, n), fraction))
+
+
 def part_transfers(key: str, kinds: tuple[str, ...], box: Box, nbytes: int,
                    cands: Candidates, dst_rank: int, here: int, dst_node: str, replica: int,
-                   dst_slot, dst_anchor: Box, replicas: int = 1) -> list[Transfer]:
+                   dst_slot, dst_anchor: Box, replicas: int = 1,
+                   choice: PartChoice | None = None) -> list[Transfer]:
     """The transfers that bring one part to ``dst_rank`` (replica ``replica`` of
     ``replicas``): one, or one per run of slabs of a large replicated part not held on the
-    receiver's device that it takes from the same holder."""
+    receiver's device that it takes from the same holder. ``choice``: the part's
+    ``PartChoice``, if the caller keeps one."""
     if here in cands.members:
         h = cands.group[here]
         return [Transfer(key, kinds, box, here, dst_rank, h.slot, h.anchor, dst_slot,
                          dst_anchor, nbytes)]
-    offset = part_offset(key, box)
-    pieces = remote_pieces(box, nbytes, cands)
+    if choice is None:
+        choice = PartChoice(key, box, nbytes, cands)
     near = cands.by_node.get(dst_node)
     out: list[Transfer] = []
     if near:  # few holders on the node: rotate, slab by slab
-        for s, (sub, n) in enumerate(pieces):
+        offset = choice.offset
+        for s, (sub, n, _, _) in enumerate(choice.pieces):
             r = near[(replica + offset + s) % len(near)]
             h = cands.group[r]
             out.append(Transfer(key, kinds, sub, r, dst_rank, h.slot, h.anchor, dst_slot,
                                 dst_anchor, n))
         return out
-    pool, k = cands.ranks, len(pieces)
+    pool = cands.ranks
     last = -1
-    for s, (sub, n) in enumerate(pieces):
-        lane, fraction = slab_point(offset, s, k)
-        r = pool[spread_index(replica, replicas, fraction, len(pool),
-                              lane_shift(lane, len(pool)))]
+    for sub, n, shift, fraction in choice.pieces:
+        r = pool[spread_index(replica, replicas, fraction, len(pool), shift)]
         if r == last:  # the next slab from the same holder: one transfer
             t = out[-1]
             out[-1] = t._replace(box=Box(t.box.lo, sub.hi), nbytes=t.nbytes + n)
@@ -282,6 +300,10 @@ def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices:
     elem_bytes = ElemBytes(dtypes)
     out: list[Transfer] = []
     remote = 0
+    # Per part (keyed by identity: the intersection keeps it alive), what every receiver of
+    # it reads alike: answers are shared by the ranks of a class, so the replicas of a
+    # position reuse the candidates, size and choice of each part.
+    known: dict[int, tuple[Candidates, int, PartChoice | None]] = {}
     for dst_rank, dst_dev in enumerate(dst_devices):
         here = rank_on_device.get(dst_dev, -1)
         dst_node = node_of(dst_dev)
@@ -290,11 +312,19 @@ def pick_sources(inter: Intersection, src_devices: tuple[str, ...], dst_devices:
             eb = elem_bytes(e.key, ans.kinds)
             replica, replicas = replica_of.of(dst_rank, e.key) if replica_of is not None \
                 else (0, 1)
-            for box, holders in ans.parts:
-                c = cands(holders)
-                nbytes = box.numel * eb
+            for part in ans.parts:
+                got = known.get(id(part))
+                if got is None:
+                    box, holders = part
+                    c = cands(holders)
+                    got = known[id(part)] = (c, box.numel * eb, None)
+                c, nbytes, choice = got
+                box = part[0]
+                if choice is None and here not in c.members:
+                    choice = PartChoice(e.key, box, nbytes, c)
+                    known[id(part)] = (c, nbytes, choice)
                 ts = part_transfers(e.key, ans.kinds, box, nbytes, c, dst_rank, here,
-                                    dst_node, replica, e.slot, e.box, replicas)
+                                    dst_node, replica, e.slot, e.box, replicas, choice)
                 if ts[0].src_rank != here:
                     remote += nbytes
                 out.extend(ts)

@@ -420,10 +420,13 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
         if 0 <= h_sr < s_world and 0 <= h_dr < d_world:
             s_depth = _depth(checker.s_hold, h_sr, list({(t.key, t.src_slot, t.src_anchor): 0
                                                          for ch in c.chunks for t in ch}))
-            d_depth = _depth(d_hold, h_dr, [target for _, target in mine])
-            if d_depth is not None:
-                for (_, target), ws in mine.items():
-                    by_part[d_hold.find_at(h_dr, target)].append((target, ws))
+            # Each written region's part, found once: it gives the depth and the grouping.
+            found_at = [(d_hold.find_at(h_dr, target), target, ws)
+                        for (_, target), ws in mine.items()]
+            if all(j >= 0 for j, _, _ in found_at):
+                d_depth = max((j + 1 for j, _, _ in found_at), default=0)
+                for j, target, ws in found_at:
+                    by_part[j].append((target, ws))
         part_shapes.append({j: shapes.of([t for _, w in tws for t in w])
                             for j, tws in by_part.items()})
         part_writes.append({j: dict(tws) for j, tws in by_part.items()})

@@ -295,9 +295,28 @@ def test_index_window_is_sorted_query() -> None:
             got = {p for p, _ in idx.query(query)}
             want = {query & b for b, _ in entries if query & b is not None}
             assert got == want
-            scanned = [b for b, _ in entries
-                       if L.index_window(b.lo[0], query.lo[0], query.hi[0], idx.reach)]
+            scanned = [b for (b, _), end in zip(idx.entries, idx.ends)
+                       if L.index_window(b.lo[0], end, query.lo[0], query.hi[0])]
             assert {query & b for b in scanned if query & b is not None} == want
+
+
+def test_index_query_filters_many_candidates() -> None:
+    """Past ``_SCAN`` candidates a query filters them in numpy: the same parts as testing
+    every box (boxes side by side in the other dim, so most candidates miss)."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        entries = {}
+        for _ in range(int(rng.integers(30, 120))):
+            r, c = int(rng.integers(0, 40)), int(rng.integers(0, 16))
+            box = Box((r, c), (r + int(rng.integers(1, 6)), c + int(rng.integers(1, 3))))
+            entries[box] = (Holders((0,), None, None),)
+        idx = _Sorted(list(entries.items()), 0)
+        for _ in range(30):
+            r, c = int(rng.integers(0, 40)), int(rng.integers(0, 16))
+            query = Box((r, c), (r + int(rng.integers(1, 12)), c + int(rng.integers(1, 4))))
+            got = [p for p, _ in idx.query(query)]
+            want = [query & b for b, _ in idx.entries if query & b is not None]
+            assert got == want
 
 
 # ---- wrong variants: disproved, with a counterexample that really breaks the property -------

@@ -167,9 +167,11 @@ def expert_home(e: Num, experts: Num, ep: Num) -> tuple[Num, Num]:
     return _div(e, per_rank), e % per_rank
 
 
-def index_window(entry_lo: Num, query_lo: Num, query_hi: Num, reach: Num) -> Cond:
-    """``_Sorted.query`` scans entries with ``query_lo - reach < lo < query_hi`` (bisect bounds)."""
-    return _and(query_lo - reach < entry_lo, entry_lo < query_hi)
+def index_window(entry_lo: Num, run_end: Num, query_lo: Num, query_hi: Num) -> Cond:
+    """``_Sorted.query`` scans the entries whose running end (the largest end along the sorted
+    dim up to and including the entry) passes ``query_lo`` and whose start lies before
+    ``query_hi`` (its two bisections)."""
+    return _and(query_lo < run_end, entry_lo < query_hi)
 
 
 # ---- lemmas ------------------------------------------------------------------------------------
@@ -444,10 +446,11 @@ def box_split_volume_2d() -> z3.BoolRef:
 
 
 def index_query_window(window: Callable[..., Cond] = index_window) -> z3.BoolRef:
-    """An entry of extent <= reach that meets the query along the sorted dim is in the scan."""
-    elo, ehi, qlo, qhi, reach = _ints("elo ehi qlo qhi reach")
+    """An entry that meets the query along the sorted dim is in the scan (its running end is
+    at least its own end)."""
+    elo, ehi, run_end, qlo, qhi = _ints("elo ehi run_end qlo qhi")
     meets = z3.And(elo < qhi, qlo < ehi, elo < ehi, qlo < qhi)
-    return z3.Implies(z3.And(meets, ehi - elo <= reach), window(elo, qlo, qhi, reach))
+    return z3.Implies(z3.And(meets, run_end >= ehi), window(elo, run_end, qlo, qhi))
 
 
 LEMMAS: dict[str, Callable[[], Formula]] = {

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import networkx as nx
 
 from ..ir.layout import DTYPE_BYTES, Layout
 from ..ir.spec import WorldConfig
@@ -114,6 +113,8 @@ def auto_place(src: Layout, dst: Layout, inter: Intersection,
 def _match(weight: dict[tuple[int, int], int], nblocks: int) -> dict[int, int]:
     """Block -> slot with the largest total weight (exact up to MATCHING_LIMIT blocks)."""
     if nblocks <= MATCHING_LIMIT:
+        import networkx as nx  # here: its import is a fifth of `dynatrain plan`'s start-up
+
         g = nx.Graph()
         for (b, s), w in sorted(weight.items()):
             g.add_edge(("b", b), ("s", s), weight=w)

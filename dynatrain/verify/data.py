@@ -174,6 +174,24 @@ def check_data(plan: Plan, src: StateView, dst: StateView, emit: Emit,
     return count, staging
 
 
+class _Writes(defaultdict):
+    """Transfers per (destination rank, target region), the coverage rule's input.
+
+    ``by_id`` finds a region's list by the identities of its slot and anchor objects, so
+    that ``_Transfers.run`` hashes a region's value (a slot and a box, both dataclasses) once
+    per region, not once per transfer: the chunks of one part share those objects. Equal
+    values in other objects miss ``by_id`` and meet in the same list through the value.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(list)
+        self.by_id: dict[tuple[int, str, int, int], list[Transfer]] = {}
+
+    def pop(self, *args):  # a popped list must not be found again through ``by_id``
+        self.by_id.clear()
+        return super().pop(*args)
+
+
 class _Transfers:
     """The per-transfer rules: each transfer's source, declared size and device, recording
     what it writes where (``writes``, for the coverage rule). The loop runs once per transfer
@@ -187,16 +205,17 @@ class _Transfers:
         self.s_world, self.d_world = src.layout.world, dst.layout.world
         self.s_dev, self.d_dev = plan.src_devices, plan.dst_devices
         self.held: dict[tuple, tuple[str, ...] | None] = {}  # source lookups, None: not held
-        self.writes: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
+        self.writes = _Writes()
 
     def run(self, r: int, m_src: str, m_dst: str, transfers: tuple[Transfer, ...],
-            writes: dict[tuple[int, Target], list[Transfer]] | None = None) -> int:
+            writes: _Writes | None = None) -> int:
         """Check ``transfers`` of one message of round ``r``; the bytes they stage (those
         whose size is known). Writes go to ``writes`` (default: ``self.writes``)."""
         emit, held, s_hold = self.emit, self.held, self.s_hold
         s_world, d_world, s_dev, d_dev = self.s_world, self.d_world, self.s_dev, self.d_dev
         sizes, elem_bytes = self.elem_bytes.memo, self.elem_bytes
         writes = self.writes if writes is None else writes
+        by_id = writes.by_id
         moved = 0
         for t in transfers:
             key, kinds_t, box, sr, dr, s_slot, anchor, d_slot, d_anchor, nbytes = t
@@ -236,7 +255,11 @@ class _Transfers:
                     emit(Violation("memory", f"round {r}: a transfer {box} declares {nbytes} "
                                    f"bytes but moves {size * n}", key, ",".join(kinds_t),
                                    (sr, dr), (m_src, m_dst), lo))
-            writes[(dr, (key, d_slot, d_anchor))].append(t)
+            at = (dr, key, id(d_slot), id(d_anchor))
+            ws = by_id.get(at)
+            if ws is None:
+                ws = by_id[at] = writes[(dr, (key, d_slot, d_anchor))]
+            ws.append(t)
         return moved
 
 
@@ -410,7 +433,7 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
     part_writes: list[dict[int, dict[Target, list[Transfer]]]] = []
     for c in body.classes:
         head = c.members[0]
-        mine: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
+        mine = _Writes()
         sizes = [checker.run(i, head.src_device, head.dst_device, ch, mine) if ch else 0
                  for i, ch in enumerate(c.chunks)]
         n = sum(len(ch) for ch in c.chunks)
@@ -418,8 +441,10 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
         s_depth = d_depth = None
         by_part: dict[int, list[Transfer]] = defaultdict(list)
         if 0 <= h_sr < s_world and 0 <= h_dr < d_world:
+            # Each read region once (by identity first: chunks of one part share them).
+            read = {(t.key, id(t.src_slot), id(t.src_anchor)): t for ch in c.chunks for t in ch}
             s_depth = _depth(checker.s_hold, h_sr, list({(t.key, t.src_slot, t.src_anchor): 0
-                                                         for ch in c.chunks for t in ch}))
+                                                         for t in read.values()}))
             # Each written region's part, found once: it gives the depth and the grouping.
             found_at = [(d_hold.find_at(h_dr, target), target, ws)
                         for (_, target), ws in mine.items()]
@@ -445,14 +470,13 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
     remote = follows & (members.s_dev != members.d_dev)
     _add_staging(staging, class_sizes, members.klass[remote], members.s_dev[remote],
                  members.d_dev[remote], members.devices)
-    explicit: dict[int, dict[tuple[int, Target], list[Transfer]]] = defaultdict(
-        lambda: defaultdict(list))
+    explicit: dict[int, _Writes] = defaultdict(_Writes)
     for j in np.flatnonzero(~follows).tolist():
         k = int(members.klass[j])
         c = body.classes[k]
         m = c.members[int(members.pos[j])]
         dr = m.dst_rank
-        own = explicit[dr] if 0 <= dr < d_world else defaultdict(list)
+        own = explicit[dr] if 0 <= dr < d_world else _Writes()
         sizes_m = [checker.run(i, m.src_device, m.dst_device, c.transfers_of(i, m), own)
                    if ch else 0 for i, ch in enumerate(c.chunks)]
         if m.src_device != m.dst_device:
@@ -466,7 +490,7 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
         lambda: defaultdict(list))  # dst rank -> the local copies' writes
     for d, ts in body.local:
         count += len(ts)
-        own: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
+        own = _Writes()
         checker.run(0, d, d, ts, own)
         for (dr, target), ws in own.items():
             if 0 <= dr < d_world:

@@ -22,11 +22,12 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from ..ir.box import Box
 from ..ir.layout import Layout
 from .classes import class_rounds
 from .intersect import PlanError
 from .plan import Round, Transfer
-from .schedule import MAX_ROUNDS, _sub, unit_bytes
+from .schedule import MAX_ROUNDS, _new, _sub, unit_bytes
 
 
 class PairPhase:
@@ -85,30 +86,52 @@ def bounds(total: int, rounds: int, unit: int, phase: int) -> list[int]:
 def fill(t: Transfer, room: int, tol: int) -> tuple[list[Transfer], list[Transfer]]:
     """Leading slabs of ``t`` holding ``room`` bytes give or take ``tol``, and the rest of
     ``t``, in ``t``'s order. Coarse cuts first: whole indices of ``t``'s outermost dim longer
-    than 1 when a boundary of them lies within ``tol`` of ``room``, else the whole indices
-    that fit and the next index filled the same way one dim further in (fewer, larger
-    transfers than cutting at the exact byte)."""
+    than 1 when a boundary of them lies within ``tol`` of room, else the whole indices that
+    fit and the next index filled the same way one dim further in (fewer, larger transfers
+    than cutting at the exact byte).
+
+    The descent into that next index runs in place on the bounds: only the pieces it keeps
+    are built as transfers (a 4-d expert slab cut mid-row passes three levels). The rest is
+    the innermost level's rest, then each level's tail, innermost first."""
     if t.nbytes <= room + tol:
         return [t], []
-    box = t.box
     if room <= 0:
         return [], [t]
-    lo, hi = box.lo, box.hi
-    d = 0
-    while hi[d] - lo[d] == 1:
-        d += 1
-        if d == len(lo):  # one element larger than room + tol
-            return [], [t]
-    per_index = t.nbytes // (hi[d] - lo[d])
-    k = (room + tol) // per_index  # the most whole indices within tolerance
-    if k and room - k * per_index <= tol:
-        return [_sub(t, box, d, lo[d], lo[d] + k)], [_sub(t, box, d, lo[d] + k, hi[d])]
-    heads = [_sub(t, box, d, lo[d], lo[d] + k)] if k else []
-    more, rest = fill(_sub(t, box, d, lo[d] + k, lo[d] + k + 1), room - k * per_index, tol)
-    heads.extend(more)
-    if lo[d] + k + 1 < hi[d]:
-        rest.append(_sub(t, box, d, lo[d] + k + 1, hi[d]))
-    return heads, rest
+    key, kinds, box, sr, dr, s_slot, s_anchor, d_slot, d_anchor, n = t
+    a, z = [*box.lo], [*box.hi]  # the index being filled: a[j] + 1 == z[j] for dims j < d
+
+    def piece(d: int, x: int, y: int, nbytes: int) -> Transfer:
+        lo, hi = a.copy(), z.copy()
+        lo[d], hi[d] = x, y
+        return _new(Transfer, (key, kinds, Box((*lo,), (*hi,)), sr, dr, s_slot, s_anchor,
+                               d_slot, d_anchor, nbytes))
+
+    heads: list[Transfer] = []
+    tails: list[Transfer] = []
+    whole: Transfer | None = t  # the index being filled as a transfer, while it is ``t``
+    nd, d = len(a), 0
+    while True:
+        while z[d] - a[d] == 1:
+            d += 1
+            if d == nd:  # one element larger than room + tol
+                return heads, [whole or piece(0, a[0], z[0], n), *reversed(tails)]
+        per = n // (z[d] - a[d])
+        k = (room + tol) // per  # the most whole indices within tolerance
+        x = a[d]
+        if k and room - k * per <= tol:
+            heads.append(piece(d, x, x + k, per * k))
+            return heads, [piece(d, x + k, z[d], per * (z[d] - x - k)), *reversed(tails)]
+        if k:
+            heads.append(piece(d, x, x + k, per * k))
+        if x + k + 1 < z[d]:
+            tails.append(piece(d, x + k + 1, z[d], per * (z[d] - x - k - 1)))
+        a[d], z[d] = x + k, x + k + 1  # the next index, one dim further in
+        n, room, whole = per, room - k * per, None
+        if n <= room + tol:
+            heads.append(piece(d, a[d], z[d], n))
+            return heads, tails[::-1]
+        if room <= 0:
+            return heads, [piece(d, a[d], z[d], n), *reversed(tails)]
 
 
 def split(transfers: list[Transfer], edges: list[int], tol: int) -> list[list[Transfer]]:

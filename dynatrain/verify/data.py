@@ -204,63 +204,120 @@ class _Transfers:
         self.elem_bytes = _ElementBytes(src, dst)
         self.s_world, self.d_world = src.layout.world, dst.layout.world
         self.s_dev, self.d_dev = plan.src_devices, plan.dst_devices
-        self.held: dict[tuple, tuple[str, ...] | None] = {}  # source lookups, None: not held
+        # Per source region read (rank, key, slot and anchor by identity, kinds): (element
+        # bytes, anchor lo, anchor hi) where it is held for those kinds and their size is
+        # known, else None (each such transfer takes ``_slow``, which reports it).
+        self.fast: dict[tuple, tuple[int, tuple[int, ...], tuple[int, ...]] | None] = {}
+        # (source device, destination device) -> the last ranks found on them
+        self.ok_ranks: dict[tuple[str, str], tuple[int, int]] = {}
         self.writes = _Writes()
 
     def run(self, r: int, m_src: str, m_dst: str, transfers: tuple[Transfer, ...],
             writes: _Writes | None = None) -> int:
         """Check ``transfers`` of one message of round ``r``; the bytes they stage (those
         whose size is known). Writes go to ``writes`` (default: ``self.writes``)."""
-        emit, held, s_hold = self.emit, self.held, self.s_hold
+        return self.run_rounds(m_src, m_dst, (transfers,), writes, r)[0]
+
+    def run_rounds(self, m_src: str, m_dst: str, messages, writes: _Writes | None = None,
+                   first: int = 0) -> list[int]:
+        """``run`` on the transfers of one pair of devices in rounds ``first``, ``first`` + 1,
+        ... (one sequence of transfers each); the bytes staged in each."""
+        emit, fast = self.emit, self.fast
         s_world, d_world, s_dev, d_dev = self.s_world, self.d_world, self.s_dev, self.d_dev
-        sizes, elem_bytes = self.elem_bytes.memo, self.elem_bytes
         writes = self.writes if writes is None else writes
         by_id = writes.by_id
-        moved = 0
-        for t in transfers:
-            key, kinds_t, box, sr, dr, s_slot, anchor, d_slot, d_anchor, nbytes = t
-            if not (0 <= sr < s_world and 0 <= dr < d_world):
-                emit(Violation("source", f"is sent from rank {sr} to rank {dr}, outside the layouts "
-                               f"(source world {s_world}, destination world {d_world})",
-                               key, ",".join(kinds_t), (sr, dr), (), box.lo))
-                continue
-            if s_dev[sr] != m_src or d_dev[dr] != m_dst:
-                _wrong_device(r, Message(m_src, m_dst, ()), t, s_dev, d_dev, emit)
-            # Keyed by identity: the plan keeps the slot and anchor objects alive, and
-            # transfers cut from one source region share them (equal copies only miss).
-            where = (sr, key, id(s_slot), id(anchor), kinds_t)
-            kinds = held.get(where, ())
-            if kinds == ():
-                s = s_hold.find(sr, (key, s_slot, anchor))
-                kinds = held[where] = (s.kinds if s is not None
-                                       and set(kinds_t) <= set(s.kinds) else None)
-            lo, hi = box.lo, box.hi
-            n = 1
-            fits = kinds is not None and len(lo) == len(anchor.lo) == len(hi)
-            if fits:
-                for l, h, a, z in zip(lo, hi, anchor.lo, anchor.hi):
-                    if not a <= l < h <= z:
-                        fits = False
-                        break
-                    n *= h - l
-            if not fits:
-                s = s_hold.find(sr, (key, s_slot, anchor))
-                _check_source(t, m_src, s.kinds if s is not None else None, emit)
-            size = sizes.get((key, kinds_t), -1)
-            if size == -1:
-                size = elem_bytes.get(t, emit)
-            if fits and size is not None:
-                moved += size * n
-                if nbytes != size * n:
-                    emit(Violation("memory", f"round {r}: a transfer {box} declares {nbytes} "
-                                   f"bytes but moves {size * n}", key, ",".join(kinds_t),
-                                   (sr, dr), (m_src, m_dst), lo))
-            at = (dr, key, id(d_slot), id(d_anchor))
-            ws = by_id.get(at)
-            if ws is None:
-                ws = by_id[at] = writes[(dr, (key, d_slot, d_anchor))]
-            ws.append(t)
-        return moved
+        # A message's transfers nearly always share one pair of ranks, and a pair's chunks
+        # come one after another: ranks checked right for these devices are not checked again.
+        ok_sr, ok_dr = self.ok_ranks.get((m_src, m_dst), (-1, -1))
+        out = []
+        for r, transfers in enumerate(messages, first):
+            moved = 0
+            for t in transfers:
+                key, kinds_t, box, sr, dr, s_slot, anchor, d_slot, d_anchor, nbytes = t
+                if sr != ok_sr or dr != ok_dr:
+                    if not (0 <= sr < s_world and 0 <= dr < d_world):
+                        emit(Violation("source", f"is sent from rank {sr} to rank {dr}, "
+                                       f"outside the layouts (source world {s_world}, "
+                                       f"destination world {d_world})", key, ",".join(kinds_t),
+                                       (sr, dr), (), box.lo))
+                        continue
+                    if s_dev[sr] != m_src or d_dev[dr] != m_dst:
+                        _wrong_device(r, Message(m_src, m_dst, ()), t, s_dev, d_dev, emit)
+                    else:
+                        ok_sr, ok_dr = self.ok_ranks[(m_src, m_dst)] = sr, dr
+                # Keyed by identity: the plan keeps the slot and anchor objects alive, and
+                # transfers cut from one source region share them (equal copies only miss).
+                where = (sr, key, id(s_slot), id(anchor), kinds_t)
+                got = fast.get(where, ())
+                if got == ():
+                    got = self._known(where, t)
+                if got is None:
+                    moved += self._slow(r, m_src, m_dst, t)
+                else:
+                    size, a_lo, a_hi = got
+                    lo, hi = box.lo, box.hi
+                    n = 1
+                    fits = len(lo) == len(a_lo) == len(hi)
+                    if fits:
+                        for l, h, a, z in zip(lo, hi, a_lo, a_hi):
+                            if not a <= l < h <= z:
+                                fits = False
+                                break
+                            n *= h - l
+                    if fits:
+                        moved += size * n
+                        if nbytes != size * n:
+                            emit(Violation("memory", f"round {r}: a transfer {box} declares "
+                                           f"{nbytes} bytes but moves {size * n}", key,
+                                           ",".join(kinds_t), (sr, dr), (m_src, m_dst), lo))
+                    else:
+                        moved += self._slow(r, m_src, m_dst, t)
+                at = (dr, key, id(d_slot), id(d_anchor))
+                ws = by_id.get(at)
+                if ws is None:
+                    ws = by_id[at] = writes[(dr, (key, d_slot, d_anchor))]
+                ws.append(t)
+            out.append(moved)
+        return out
+
+    def _known(self, where: tuple, t: Transfer) -> tuple | None:
+        """``fast``'s entry for ``where``; None, unrecorded, while the element size of the
+        transfer's kinds is not known yet (``_slow`` finds it and reports any fault)."""
+        size = self.elem_bytes.memo.get((t.key, t.kinds), -1)
+        if size == -1:
+            return None
+        s = self.s_hold.find(t.src_rank, (t.key, t.src_slot, t.src_anchor))
+        got = self.fast[where] = (
+            (size, t.src_anchor.lo, t.src_anchor.hi) if s is not None and size is not None
+            and set(t.kinds) <= set(s.kinds) else None)
+        return got
+
+    def _slow(self, r: int, m_src: str, m_dst: str, t: Transfer) -> int:
+        """One transfer's source and size rules, every fault reported; the bytes it stages."""
+        key, kinds_t, box, sr, dr, s_slot, anchor, _, _, nbytes = t
+        s = self.s_hold.find(sr, (key, s_slot, anchor))
+        kinds = s.kinds if s is not None and set(kinds_t) <= set(s.kinds) else None
+        lo, hi = box.lo, box.hi
+        n = 1
+        fits = kinds is not None and len(lo) == len(anchor.lo) == len(hi)
+        if fits:
+            for l, h, a, z in zip(lo, hi, anchor.lo, anchor.hi):
+                if not a <= l < h <= z:
+                    fits = False
+                    break
+                n *= h - l
+        if not fits:
+            _check_source(t, m_src, s.kinds if s is not None else None, self.emit)
+        size = self.elem_bytes.memo.get((key, kinds_t), -1)
+        if size == -1:  # the first transfer of these kinds: reported once if unknown
+            size = self.elem_bytes.get(t, self.emit)
+        if fits and size is not None:
+            if nbytes != size * n:
+                self.emit(Violation("memory", f"round {r}: a transfer {box} declares {nbytes} "
+                                    f"bytes but moves {size * n}", key, ",".join(kinds_t),
+                                    (sr, dr), (m_src, m_dst), lo))
+            return size * n
+        return 0
 
 
 class _Parts(dict):
@@ -434,8 +491,7 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
     for c in body.classes:
         head = c.members[0]
         mine = _Writes()
-        sizes = [checker.run(i, head.src_device, head.dst_device, ch, mine) if ch else 0
-                 for i, ch in enumerate(c.chunks)]
+        sizes = checker.run_rounds(head.src_device, head.dst_device, c.chunks, mine)
         n = sum(len(ch) for ch in c.chunks)
         h_sr, h_dr = head.src_rank, head.dst_rank
         s_depth = d_depth = None
@@ -477,8 +533,9 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
         m = c.members[int(members.pos[j])]
         dr = m.dst_rank
         own = explicit[dr] if 0 <= dr < d_world else _Writes()
-        sizes_m = [checker.run(i, m.src_device, m.dst_device, c.transfers_of(i, m), own)
-                   if ch else 0 for i, ch in enumerate(c.chunks)]
+        sizes_m = checker.run_rounds(m.src_device, m.dst_device,
+                                     [c.transfers_of(i, m) if ch else () for i, ch in
+                                      enumerate(c.chunks)], own)
         if m.src_device != m.dst_device:
             for i, b in enumerate(sizes_m):
                 if b:

@@ -104,6 +104,16 @@ def layout_buffer(
 
 def owned_ranges(buf: BufferLayout, rank: int) -> tuple[OwnedRange, ...]:
     """What optimizer rank ``rank`` (0 <= rank < D) owns in each bucket of ``buf``."""
+    params = buf.params
+    return tuple([OwnedRange(params[i].name, params[i].bucket, (a, z), (a - lo, z - lo),
+                             (a - params[i].start, z - params[i].start))
+                  for i, a, z, lo in owned_spans(buf, rank)])
+
+
+def owned_spans(buf: BufferLayout, rank: int) -> list[tuple[int, int, int, int]]:
+    """``owned_ranges`` as bare numbers: (index into ``buf.params``, start and end of the
+    owned part in the whole buffer, start of the rank's shard of that bucket) per range (a
+    large MoE buffer has thousands, and most callers keep few of them as objects)."""
     out = []
     params = buf.params  # placed in increasing start: a rank's share is a run of them
     for b, (bs, be) in enumerate(buf.buckets):
@@ -121,9 +131,8 @@ def owned_ranges(buf: BufferLayout, rank: int) -> tuple[OwnedRange, ...]:
                 continue
             a, z = max(p.start, lo), min(p.end, hi)
             if a < z:
-                out.append(OwnedRange(p.name, b, (a, z), (a - lo, z - lo), (a - p.start,
-                                                                           z - p.start)))
-    return tuple(out)
+                out.append((i - 1, a, z, lo))
+    return out
 
 
 def _end(p: BufferParam) -> int:

@@ -28,7 +28,7 @@ from functools import lru_cache
 from operator import add, ge, sub
 
 from .box import Box
-from .buffers import BufferLayout, OwnedRange, owned_ranges
+from .buffers import BufferLayout, OwnedRange, owned_spans
 from .errors import LayoutError
 from .geometry import flat_boxes, local_to_global, merge_adjacent
 from .layout import Layout
@@ -377,8 +377,20 @@ class StateView:
         opt_kinds = tuple(k for k in self.kinds if k != "param")
         by_name = self._shards_by_name(model, buf.chunk)
         fam = _Families(opt_kinds)
-        for o in owned_ranges(buf, opt_rank):
-            sh = by_name[o.name]
+        groups, params = fam.groups, buf.params
+        for i, a, z, lo in owned_spans(buf, opt_rank):
+            bp = params[i]
+            sh = by_name[bp.name]
+            p = sh.param
+            if p.prepend and STACK_FAMILIES and a == bp.start and z == bp.end:
+                # A whole member of a template already seen (most of a MoE buffer's ~100
+                # experts): its name under its leading indices, and no range object.
+                g = groups.get((p.key, p.shape, p.split, sh.local_shape, (0, z - a)))
+                if g is not None:
+                    g[1][tuple([j for j, _ in p.prepend])] = p.name
+                    continue
+            o = OwnedRange(bp.name, bp.bucket, (a, z), (a - lo, z - lo),
+                           (a - bp.start, z - bp.start))
             if sh.param.prepend and STACK_FAMILIES:  # layer/expert-stacked: one template
                 p = sh.param
                 fam.add((p.key, p.shape, p.split, sh.local_shape, o.param),

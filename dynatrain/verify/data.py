@@ -54,39 +54,60 @@ class Declared:
 
 
 class Holdings:
-    """What each rank of a layout holds, as (key, slot, anchor) -> ``Stored``."""
+    """What each rank of a layout holds, as (key, slot, anchor) -> ``Stored``.
+
+    Each part's table is kept twice: by the identities of a region's slot and anchor, then
+    by their values. A plan's targets are nearly always the layout's own objects (the
+    planner cut them from these parts), found with one cheap hash; equal values in other
+    objects (a plan read from a file) are found by value. A rank's parts hold disjoint
+    storage, so no target is in two of its parts and the order of the two passes changes
+    no answer."""
 
     def __init__(self, view: StateView) -> None:
         self.view = view
-        self._tables: dict[int, tuple[tuple[Stored, ...], dict[Target, Stored]]] = {}
-        self._by_rank: dict[int, tuple[dict[Target, Stored], ...]] = {}
+        self._tables: dict[int, tuple[tuple[Stored, ...], dict, dict[Target, Stored]]] = {}
+        self._by_rank: dict[int, tuple[tuple[dict, dict[Target, Stored]], ...]] = {}
 
-    def tables(self, rank: int) -> tuple[dict[Target, Stored], ...]:
+    def tables(self, rank: int) -> tuple[tuple[dict, dict[Target, Stored]], ...]:
+        """Per part of ``rank``: (its table by identity, its table by value)."""
         hit = self._by_rank.get(rank)
         if hit is None:
             hit = self._by_rank[rank] = self._build(rank)
         return hit
 
-    def _build(self, rank: int) -> tuple[dict[Target, Stored], ...]:
+    def _build(self, rank: int) -> tuple[tuple[dict, dict[Target, Stored]], ...]:
         out = []
         for part in self.view.parts(rank):
             hit = self._tables.get(id(part))
-            if hit is None:  # the value keeps ``part`` alive, so its id stays unique
-                hit = self._tables[id(part)] = (part, {(s.key, s.slot, s.box): s for s in part})
-            out.append(hit[1])
+            if hit is None:  # the value keeps ``part`` alive, so its ids stay unique
+                hit = self._tables[id(part)] = (
+                    part, {(s.key, id(s.slot), id(s.box)): s for s in part},
+                    {(s.key, s.slot, s.box): s for s in part})
+            out.append(hit[1:])
         return tuple(out)
 
     def find(self, rank: int, target: Target) -> Stored | None:
-        for table in self.tables(rank):
-            s = table.get(target)
+        tables = self.tables(rank)
+        by_id = (target[0], id(target[1]), id(target[2]))
+        for ids, _ in tables:
+            s = ids.get(by_id)
+            if s is not None:
+                return s
+        for _, values in tables:
+            s = values.get(target)
             if s is not None:
                 return s
         return None
 
     def find_at(self, rank: int, target: Target) -> int:
         """The index in ``view.parts(rank)`` of the first part holding ``target``; -1: none."""
-        for j, table in enumerate(self.tables(rank)):
-            if target in table:
+        tables = self.tables(rank)
+        by_id = (target[0], id(target[1]), id(target[2]))
+        for j, (ids, _) in enumerate(tables):
+            if by_id in ids:
+                return j
+        for j, (_, values) in enumerate(tables):
+            if target in values:
                 return j
         return -1
 
@@ -190,6 +211,14 @@ class _Writes(defaultdict):
     def pop(self, *args):  # a popped list must not be found again through ``by_id``
         self.by_id.clear()
         return super().pop(*args)
+
+    def add(self, rank: int, target: Target, ws: list[Transfer]) -> None:
+        """``ws`` written into ``target`` of ``rank``, found by identity first."""
+        at = (rank, target[0], id(target[1]), id(target[2]))
+        mine = self.by_id.get(at)
+        if mine is None:
+            mine = self.by_id[at] = self[(rank, target)]
+        mine.extend(ws)
 
 
 class _Transfers:
@@ -487,7 +516,7 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
     # class -> {destination part index: write shape}; and the writes of that shape, keyed by
     # region, as the class's first member makes them
     part_shapes: list[dict[int, int]] = []
-    part_writes: list[dict[int, dict[Target, list[Transfer]]]] = []
+    part_writes: list[dict[int, list[tuple[Target, list[Transfer]]]]] = []
     for c in body.classes:
         head = c.members[0]
         mine = _Writes()
@@ -499,8 +528,8 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
         if 0 <= h_sr < s_world and 0 <= h_dr < d_world:
             # Each read region once (by identity first: chunks of one part share them).
             read = {(t.key, id(t.src_slot), id(t.src_anchor)): t for ch in c.chunks for t in ch}
-            s_depth = _depth(checker.s_hold, h_sr, list({(t.key, t.src_slot, t.src_anchor): 0
-                                                         for t in read.values()}))
+            s_depth = _depth(checker.s_hold, h_sr, [(t.key, t.src_slot, t.src_anchor)
+                                                    for t in read.values()])
             # Each written region's part, found once: it gives the depth and the grouping.
             found_at = [(d_hold.find_at(h_dr, target), target, ws)
                         for (_, target), ws in mine.items()]
@@ -510,7 +539,7 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
                     by_part[j].append((target, ws))
         part_shapes.append({j: shapes.of([t for _, w in tws for t in w])
                             for j, tws in by_part.items()})
-        part_writes.append({j: dict(tws) for j, tws in by_part.items()})
+        part_writes.append(by_part)
         count += n * len(c.members)
         followable = s_depth is not None and d_depth is not None
         s_depths.append(s_depth if followable else -1)
@@ -585,10 +614,10 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
                 continue
             # Tiling reads no rank: check the first members' writes, and only where that
             # fails build this rank's own, for a report that names its senders.
-            mine: dict[tuple[int, Target], list[Transfer]] = defaultdict(list)
+            mine = _Writes()
             for k, _ in feeds:
-                for target, ws in part_writes[k].get(j, {}).items():
-                    mine[(dr, target)].extend(ws)
+                for target, ws in part_writes[k].get(j, ()):
+                    mine.add(dr, target, ws)
             for key, ws in copied.get(j, {}).items():
                 mine[key].extend(ws)
             failures = [0]
@@ -749,9 +778,19 @@ def _check_coverage(dst: StateView, hold: Holdings,
     these of the (one) rank's regions only, not all it holds."""
     needed_of: dict[tuple[str, ...], tuple[str, ...]] = {}
     lost_keys = {key for key, _ in unfilled} if unfilled else set()
+    # The writes of each region, by the identities of its slot and anchor first (``_Writes``);
+    # those taken are left out of the final pass, which reports writes into no region.
+    by_id = writes.by_id if isinstance(writes, _Writes) else {}
+    taken: set[int] = set()
     for rank in (range(dst.layout.world) if ranks is None else ranks):
         for s in dst.stored(rank) if regions is None else regions:
-            ws = writes.pop((rank, (s.key, s.slot, s.box)), [])
+            ws = by_id.get((rank, s.key, id(s.slot), id(s.box)))
+            if ws is None:
+                ws = writes.get((rank, (s.key, s.slot, s.box)))
+            if ws is None:
+                ws = []
+            else:
+                taken.add(id(ws))
             needed = needed_of.get(s.kinds)
             if needed is None:
                 needed = needed_of[s.kinds] = tuple(k for k in s.kinds if k not in derived)
@@ -787,6 +826,8 @@ def _check_coverage(dst: StateView, hold: Holdings,
                 emit(Violation("coverage", f"is sent to destination rank {rank} as kind {k}, which "
                                f"{why}", s.key, k, (rank,), (devices[rank],), s.box.lo))
     for (rank, (key, slot, anchor)), ws in writes.items():  # targets the layout does not have
+        if id(ws) in taken or not ws:
+            continue
         t = ws[0]
         point = tuple(t.box.lo)
         if key in experts and not hold.holds_point(rank, key, point):

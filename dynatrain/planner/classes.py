@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .plan import Message, Round, Transfer, message_order, with_ranks
+from .plan import _NBYTES, Message, Round, Transfer, message_order, with_ranks
 
 
 class Member(NamedTuple):
@@ -43,7 +43,7 @@ class PairClass:
 
     def chunk_bytes(self) -> tuple[int, ...]:
         """Bytes of each round's chunk (0: the class sends nothing that round)."""
-        return tuple(sum(t.nbytes for t in c) for c in self.chunks)
+        return tuple([sum(map(_NBYTES, c)) for c in self.chunks])
 
     def transfers_of(self, i: int, member: Member) -> tuple[Transfer, ...]:
         """Round ``i``'s chunk as ``member`` sends it."""

@@ -213,17 +213,25 @@ def part_transfers(key: str, kinds: tuple[str, ...], box: Box, nbytes: int,
                                 dst_anchor, n))
         return out
     pool = cands.ranks
+    size = len(pool)
+    # ``spread_index`` inlined (millions of slabs on the largest switches); runs of slabs
+    # from one holder are collected first and each built as one transfer.
+    base, den = (replica % replicas) << 32, replicas << 32
+    runs: list[list] = []
     last = -1
     for sub, n, shift, fraction in choice.pieces:
-        r = pool[spread_index(replica, replicas, fraction, len(pool), shift)]
+        r = pool[((base + fraction) * size // den + shift) % size]
         if r == last:  # the next slab from the same holder: one transfer
-            t = out[-1]
-            out[-1] = t._replace(box=Box(t.box.lo, sub.hi), nbytes=t.nbytes + n)
+            run = runs[-1]
+            run[2] = sub
+            run[3] += n
             continue
-        h = cands.group[r]
-        out.append(Transfer(key, kinds, sub, r, dst_rank, h.slot, h.anchor, dst_slot,
-                            dst_anchor, n))
+        runs.append([r, sub, sub, n])
         last = r
+    for r, first, end, n in runs:
+        h = cands.group[r]
+        out.append(Transfer(key, kinds, first if first is end else Box(first.lo, end.hi), r,
+                            dst_rank, h.slot, h.anchor, dst_slot, dst_anchor, n))
     return out
 
 

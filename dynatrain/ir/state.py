@@ -183,6 +183,7 @@ class StateView:
         self._tensors: dict[tuple[str, str], LogicalTensor] | None = None
         self._buffer_cache: dict[tuple[int, ...], tuple[Stored, ...]] = {}
         self._templates: dict[tuple, tuple] = {}  # whole stacked weights' shard templates
+        self._parts: dict[int, tuple[tuple[Stored, ...], ...]] = {}  # ``parts`` per rank
         st = layout.spec.state
         self.kinds: dict[str, str] = {"param": st.param}
         for k in OPTIMIZER_KINDS:
@@ -242,9 +243,13 @@ class StateView:
         once per distinct part (keyed by identity: the view keeps every part alive) do the
         work per distinct piece of state rather than per rank.
         """
-        c = self.layout.coords(rank)
-        own = (self._dense_stored(c.pp, c.tp), self._expert_stored(c.pp, c.ep, c.etp))
-        return own + self._shard_parts((c.pp, c.tp, c.ep, c.etp), *self._opt_ranks(rank))
+        hit = self._parts.get(rank)
+        if hit is None:  # kept: the planner, the verifier and the memory check all ask
+            c = self.layout.coords(rank)
+            own = (self._dense_stored(c.pp, c.tp), self._expert_stored(c.pp, c.ep, c.etp))
+            hit = self._parts[rank] = own + self._shard_parts((c.pp, c.tp, c.ep, c.etp),
+                                                              *self._opt_ranks(rank))
+        return hit
 
     def param_part(self, rank: int) -> tuple[Stored, ...]:
         """What ``rank`` holds in module parameters and buffers (shared by its DP replicas)."""

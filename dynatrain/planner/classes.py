@@ -124,9 +124,10 @@ class SizedMessages:
 
         def ints(x) -> np.ndarray:
             return np.array(x, dtype=np.int64)
+        chunks = [ch for c in body.classes for ch in c.chunks]  # flat: one list per column
         return cls(tuple(index), ends[0::2].copy(), ends[1::2].copy(), klass,
-                   ints([c.chunk_bytes() for c in body.classes]).reshape(-1, r),
-                   ints([[len(x) for x in c.chunks] for c in body.classes]).reshape(-1, r),
+                   ints([sum(map(_NBYTES, ch)) for ch in chunks]).reshape(-1, r),
+                   ints(list(map(len, chunks))).reshape(-1, r),
                    ints(local), ints([sum(t.nbytes for t in ts) for _, ts in body.local]),
                    ints([len(ts) for _, ts in body.local]),
                    np.fromiter((m.src_rank for m in every), np.int64, n),

@@ -32,13 +32,19 @@ def held_bytes(view: StateView, devices: tuple[str, ...]) -> dict[str, int]:
     """Bytes of state each device holds in a layout (per class part, computed once)."""
     tensors = view.tensors()
     sizes: dict[int, tuple[tuple, int]] = {}
+    per_elem: dict[tuple[str, tuple[str, ...]], int] = {}  # bytes per element of (key, kinds)
     out: dict[str, int] = defaultdict(int)
     for rank, dev in enumerate(devices):
         for part in view.parts(rank):
             hit = sizes.get(id(part))
             if hit is None:
-                n = sum(s.box.numel * ITEMSIZE.get(tensors[(s.key, k)].dtype, 8)
-                        for s in part for k in s.kinds)
+                n = 0
+                for s in part:
+                    e = per_elem.get((s.key, s.kinds))
+                    if e is None:
+                        e = per_elem[(s.key, s.kinds)] = sum(
+                            ITEMSIZE.get(tensors[(s.key, k)].dtype, 8) for k in s.kinds)
+                    n += s.box.numel * e
                 hit = sizes[id(part)] = (part, n)
             out[dev] += hit[1]
     return out

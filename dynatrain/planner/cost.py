@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..ir.errors import SpecError
 from .plan import Message, Plan
 from .sources import node_of
+from .sums import sum_by_index
 
 
 class Topology(BaseModel):
@@ -164,9 +165,7 @@ def class_link_bytes(body) -> tuple[dict[str, LinkBytes], ...]:
 
 def _sum_at(where: np.ndarray, values: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:
     """Per index of ``where[mask]``, the sum of ``values[mask]`` (int64, exact)."""
-    acc = np.zeros(n, dtype=np.int64)
-    np.add.at(acc, where[mask], values[mask])
-    return acc
+    return sum_by_index(where[mask], values[mask], n)
 
 
 def _link_bytes(sized: Iterable[tuple[int, str, str]]) -> dict[str, LinkBytes]:

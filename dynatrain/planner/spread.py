@@ -28,6 +28,7 @@ from .classes import class_rounds
 from .intersect import PlanError
 from .plan import Round, Transfer
 from .schedule import MAX_ROUNDS, _new, _sub, unit_bytes
+from .sums import sum_by_index
 
 
 class PairPhase:
@@ -442,10 +443,8 @@ def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int,
 
 
 def _per_device(ends: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    """Exact int64 sums of ``values`` per device index (``bincount`` would sum floats)."""
-    out = np.zeros(n, np.int64)
-    np.add.at(out, ends, values)
-    return out
+    """Exact int64 sums of ``values`` per device index."""
+    return sum_by_index(ends, values, n)
 
 
 def _most_fit(first: list[Pair], klass: np.ndarray, src: np.ndarray, dst: np.ndarray, n: int,
@@ -462,9 +461,7 @@ def _most_fit(first: list[Pair], klass: np.ndarray, src: np.ndarray, dst: np.nda
         loads = np.zeros((len(first), r), np.int64)
         loads[rows] = [first[j].loads(r, unit) for j in rows.tolist()]
         per = loads[k]
-        out, into = np.zeros((n, r), np.int64), np.zeros((n, r), np.int64)
-        np.add.at(out, s, per)
-        np.add.at(into, d, per)
+        out, into = sum_by_index(s, per, n), sum_by_index(d, per, n)
         pending &= (out.max(axis=1) > half) | (into.max(axis=1) > half)
         if not pending.any():
             return r

@@ -18,6 +18,7 @@ from ..ir.errors import DynatrainError
 from ..ir.state import StateView, Stored
 from ..planner.lost import LostState
 from ..planner.plan import Message, Plan, Transfer
+from ..planner.sums import sum_by_index
 from .report import Violation
 from .tiling import inside, outside_point, tiling_fault, well_formed
 
@@ -371,9 +372,8 @@ def _add_staging(staging: list[dict[str, int]], class_sizes: list[list[int]], ks
     for i, staged in enumerate(staging):
         b = sizes[:, i]
         on = b > 0
-        acc = np.zeros(len(names), dtype=np.int64)
-        np.add.at(acc, srcs[on], b[on])
-        np.add.at(acc, dsts[on], b[on])
+        acc = (sum_by_index(srcs[on], b[on], len(names))
+               + sum_by_index(dsts[on], b[on], len(names)))
         for j, n in zip(np.flatnonzero(acc).tolist(), acc[acc > 0].tolist()):
             staged[names[j]] += n
 

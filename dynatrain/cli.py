@@ -648,5 +648,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+# Commands that only read specs and plan files and write their output before ``main``
+# returns. Their process then ends without the interpreter's teardown: freeing the layouts
+# the IR caches keep and a last full collection take 0.4 s after the 235B switch's plan (of
+# about 3 s in all). Other commands (``run-plan`` forks workers) exit as usual.
+QUICK_EXIT = frozenset({"layout", "plan", "verify"})
+
+
+def entry() -> None:
+    """The ``dynatrain`` command: ``main`` on ``sys.argv``, then exit with its status."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    if argv and argv[0] in QUICK_EXIT:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe (`| head`): nothing more to say
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -172,3 +172,36 @@ def test_streamed_json_and_text_are_the_documents_bytes(pair, budget, monkeypatc
             assert out.getvalue() == whole, batch
     assert "".join(plan_text_lines(plan)) == plan_to_text(plan)
     assert plan_from_json(json.loads(whole)).rounds == plan.rounds
+
+
+def _command(*args: str, **kw):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "dynatrain.cli", *args], capture_output=True,
+                          text=True, timeout=120, **kw)
+
+
+def test_command_ends_without_teardown_but_with_everything_written(tmp_path) -> None:
+    """`plan` ends with ``os._exit`` (``cli.QUICK_EXIT``): its summary and JSON are complete,
+    and its status is main's, for a plan and for bad input alike."""
+    out = tmp_path / "plan.json"
+    done = _command("plan", SRC, DST, "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "planned in" in done.stdout and done.stdout.endswith("\n")
+    assert json.loads(out.read_text())["summary"]["bytes_moved"] > 0
+    bad = _command("plan", str(tmp_path / "missing.yaml"), DST)
+    assert bad.returncode == 2 and bad.stderr.startswith("dynatrain: error: "), bad.stderr
+
+
+def test_command_into_a_closed_pipe_exits_quietly() -> None:
+    """Read one line and close the pipe (as `| head -1`): no traceback, no 'Exception
+    ignored' at exit, status 0."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", "plan", SRC, DST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err

@@ -203,15 +203,13 @@ class _Writes(defaultdict):
     that ``_Transfers.run`` hashes a region's value (a slot and a box, both dataclasses) once
     per region, not once per transfer: the chunks of one part share those objects. Equal
     values in other objects miss ``by_id`` and meet in the same list through the value.
+    Nothing is removed (``_check_coverage`` marks the lists it takes), so ``by_id`` never
+    points at a list the mapping no longer holds.
     """
 
     def __init__(self) -> None:
         super().__init__(list)
         self.by_id: dict[tuple[int, str, int, int], list[Transfer]] = {}
-
-    def pop(self, *args):  # a popped list must not be found again through ``by_id``
-        self.by_id.clear()
-        return super().pop(*args)
 
     def add(self, rank: int, target: Target, ws: list[Transfer]) -> None:
         """``ws`` written into ``target`` of ``rank``, found by identity first."""

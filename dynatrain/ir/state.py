@@ -387,21 +387,19 @@ class StateView:
             bp = params[i]
             sh = by_name[bp.name]
             p = sh.param
-            if p.prepend and STACK_FAMILIES and a == bp.start and z == bp.end:
-                # A whole member of a template already seen (most of a MoE buffer's ~100
-                # experts): its name under its leading indices, and no range object.
-                g = groups.get((p.key, p.shape, p.split, sh.local_shape, (0, z - a)))
-                if g is not None:
-                    g[1][tuple([j for j, _ in p.prepend])] = p.name
+            if p.prepend and STACK_FAMILIES:  # layer/expert-stacked: one template
+                sig = (p.key, p.shape, p.split, sh.local_shape, (a - bp.start, z - bp.start))
+                lead = tuple([j for j, _ in p.prepend])
+                g = groups.get(sig)
+                if g is not None:  # a member of a template already seen (most of a MoE
+                    g[1][lead] = p.name  # buffer's experts): no range object at all
                     continue
-            o = OwnedRange(bp.name, bp.bucket, (a, z), (a - lo, z - lo),
-                           (a - bp.start, z - bp.start))
-            if sh.param.prepend and STACK_FAMILIES:  # layer/expert-stacked: one template
-                p = sh.param
-                fam.add((p.key, p.shape, p.split, sh.local_shape, o.param),
-                        tuple([i for i, _ in p.prepend]), p.name,
+                o = OwnedRange(bp.name, bp.bucket, (a, z), (a - lo, z - lo), sig[-1])
+                fam.add(sig, lead, p.name,
                         lambda sh=sh, o=o: self._flat_template(sh, o, buf.chunk, bi))
                 continue
+            o = OwnedRange(bp.name, bp.bucket, (a, z), (a - lo, z - lo),
+                           (a - bp.start, z - bp.start))
             for box, slot in self._flat_regions(sh, o, buf.chunk, bi):
                 fam.plain(Stored(sh.param.key, opt_kinds, box, slot, not sh.param.tied_copy))
         return tuple(fam.stored())

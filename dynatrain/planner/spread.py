@@ -432,7 +432,7 @@ def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int,
     peers = max(np.bincount(src, minlength=n).max(), np.bincount(dst, minlength=n).max())
     unit, half = unit_bytes(budget, int(peers)), budget // 2
     size = np.array([p.nbytes for p in plist], np.int64)
-    busiest = np.maximum(_per_device(src, size, n), _per_device(dst, size, n))
+    busiest = np.maximum(sum_by_index(src, size, n), sum_by_index(dst, size, n))
     r = max(1, int((-(-busiest // max(1, half))).max()))
     while True:
         nxt = _most_fit(first, klass, src, dst, n, r, unit, half)
@@ -440,11 +440,6 @@ def global_spread(pairs: dict[tuple[str, str], Pair], budget: int) -> tuple[int,
         if nxt == r:
             return unit, r
         r = nxt
-
-
-def _per_device(ends: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    """Exact int64 sums of ``values`` per device index."""
-    return sum_by_index(ends, values, n)
 
 
 def _most_fit(first: list[Pair], klass: np.ndarray, src: np.ndarray, dst: np.ndarray, n: int,

@@ -18,6 +18,7 @@ def sum_by_index(index: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     ``index[j] == i``, as int64."""
     index = np.asarray(index, dtype=np.int64)
     values = np.asarray(values, dtype=np.int64)
+    # The total is summed in float64 itself, so half the bound leaves room for its rounding.
     if values.size == 0 or values.min() < 0 or int(values.sum(dtype=np.float64)) >= _EXACT // 2:
         out = np.zeros((n, *values.shape[1:]), np.int64)
         np.add.at(out, index, values)

@@ -13,7 +13,8 @@ import numpy as np
 from hypothesis import given
 
 from dynatrain.ir.box import Box
-from dynatrain.verify.tiling import Fault, inside, tiling_fault, well_formed
+from dynatrain.verify.tiling import (RUNS_PER_BOX, Fault, _chain_of_runs, inside,
+                                     tiling_fault, well_formed)
 
 
 def _holds(b: Box, p: tuple[int, ...]) -> bool:
@@ -131,6 +132,95 @@ def test_loose_boxes_agree_with_the_count_grid(case) -> None:
 @given(near_tilings())
 def test_near_tilings_agree_with_the_count_grid(case) -> None:
     _agrees(*case)
+
+
+# ---- row-major runs: the planner's own cuts, confirmed without corner counts -----------------
+
+def _interval_boxes(lo: tuple[int, ...], shape: tuple[int, ...], s: int, e: int) -> list[Box]:
+    """Boxes covering numbers [s, e) of the row-major order of the box at ``lo`` of ``shape``,
+    as the planner cuts a part: a partial head index, whole indices, a partial tail index."""
+    if s >= e:
+        return []
+    if not shape:
+        return [Box((), ())]
+    inner = int(np.prod(shape[1:]))
+    i0, r0 = divmod(s, inner)
+    i1, r1 = divmod(e, inner)
+
+    def sub(i: int, a: int, b: int) -> list[Box]:
+        return [Box((lo[0] + i,) + x.lo, (lo[0] + i + 1,) + x.hi)
+                for x in _interval_boxes(lo[1:], shape[1:], a, b)]
+    if i0 == i1:
+        return sub(i0, r0, r1)
+    out = []
+    if r0:
+        out += sub(i0, r0, inner)
+        i0 += 1
+    if i0 < i1:
+        out.append(Box((lo[0] + i0,) + lo[1:], (lo[0] + i1,) + tuple(
+            l + n for l, n in zip(lo[1:], shape[1:]))))
+    return out + (sub(i1, 0, r1) if r1 else [])
+
+
+@st.composite
+def run_tilings(draw):
+    """An anchor cut at random numbers of its row-major order into runs, shuffled, then maybe
+    broken as ``near_tilings`` breaks them; now and then two runs joined across an index
+    into one box of several runs (a few layers by part of the experts)."""
+    anchor = draw(anchors())
+    shape, total = anchor.shape, anchor.numel
+    cuts = sorted(set(draw(st.lists(st.integers(1, max(1, total - 1)), max_size=6))))
+    edges = [0, *[c for c in cuts if 0 < c < total], total]
+    boxes = [b for s, e in zip(edges, edges[1:]) for b in _interval_boxes(anchor.lo, shape, s, e)]
+    if len(shape) >= 2 and shape[0] > 1 and shape[1] > 1 and draw(st.booleans()):
+        # [lo0, lo0 + k) x [lo1, lo1 + j) x whole: k runs, then the rest of those rows
+        k, j = draw(st.integers(1, shape[0])), draw(st.integers(1, shape[1] - 1))
+        tail = anchor.lo[2:], anchor.hi[2:]
+        block = Box((anchor.lo[0], anchor.lo[1]) + tail[0],
+                    (anchor.lo[0] + k, anchor.lo[1] + j) + tail[1])
+        rest = Box((anchor.lo[0], anchor.lo[1] + j) + tail[0],
+                   (anchor.lo[0] + k, anchor.hi[1]) + tail[1])
+        below = [Box((anchor.lo[0] + k,) + anchor.lo[1:], anchor.hi)] if k < shape[0] else []
+        boxes = [block, rest, *below]
+    boxes = draw(st.permutations(boxes))
+    how = draw(st.sampled_from(["keep", "keep", "drop", "duplicate", "shift", "shrink"]))
+    i = draw(st.integers(0, len(boxes) - 1))
+    b = boxes[i]
+    if how == "drop":
+        boxes = boxes[:i] + boxes[i + 1:]
+    elif how == "duplicate":
+        boxes = boxes + [b]
+    elif how in ("shift", "shrink") and b.lo:
+        d = draw(st.integers(0, len(b.lo) - 1))
+        step = draw(st.sampled_from([-1, 1])) if how == "shift" else 0
+        boxes = boxes[:i] + [Box(b.lo[:d] + (b.lo[d] + step,) + b.lo[d + 1:],
+                                 b.hi[:d] + (b.hi[d] + (step or -1),) + b.hi[d + 1:])] + \
+            boxes[i + 1:]
+    return anchor, boxes, how == "keep"
+
+
+@given(run_tilings())
+def test_run_tilings_agree_with_the_count_grid(case) -> None:
+    """Cut as the planner cuts, kept or broken: the verdict and the witness are the count
+    grid's, and an unbroken cut is confirmed by the runs alone."""
+    anchor, boxes, kept = case
+    _agrees(anchor, boxes)
+    if kept:
+        assert _chain_of_runs(anchor, boxes)
+
+
+def test_a_box_of_too_many_runs_is_left_to_the_corner_count() -> None:
+    """A column of a matrix is a run per row: beyond RUNS_PER_BOX of them the runs are not
+    listed, and the corner count decides (rightly) either way."""
+    n = RUNS_PER_BOX + 1
+    anchor = Box((0, 0), (n, 4))
+    columns = [Box((0, 0), (n, 1)), Box((0, 1), (n, 4))]
+    assert not _chain_of_runs(anchor, columns)
+    assert tiling_fault(anchor, columns) is None
+    short = [Box((0, 0), (n - 1, 1)), Box((0, 1), (n - 1, 4)), Box((n - 1, 0), (n, 4))]
+    assert _chain_of_runs(anchor, short[1:]) is False  # not all of the anchor
+    assert tiling_fault(anchor, short) is None
+    assert tiling_fault(anchor, short[:2]) == Fault("missing", (n - 1, 0), ())
 
 
 def test_scalars_are_written_once() -> None:

@@ -247,9 +247,10 @@ class _Transfers:
         return self.run_rounds(m_src, m_dst, (transfers,), writes, r)[0]
 
     def run_rounds(self, m_src: str, m_dst: str, messages, writes: _Writes | None = None,
-                   first: int = 0) -> list[int]:
+                   first: int = 0, reads: dict | None = None) -> list[int]:
         """``run`` on the transfers of one pair of devices in rounds ``first``, ``first`` + 1,
-        ... (one sequence of transfers each); the bytes staged in each."""
+        ... (one sequence of transfers each); the bytes staged in each. ``reads``, if given,
+        gets one transfer per source region read, keyed (key, id(slot), id(anchor))."""
         emit, fast = self.emit, self.fast
         s_world, d_world, s_dev, d_dev = self.s_world, self.d_world, self.s_dev, self.d_dev
         writes = self.writes if writes is None else writes
@@ -257,6 +258,13 @@ class _Transfers:
         # A message's transfers nearly always share one pair of ranks, and a pair's chunks
         # come one after another: ranks checked right for these devices are not checked again.
         ok_sr, ok_dr = self.ok_ranks.get((m_src, m_dst), (-1, -1))
+        # The pieces of one part follow each other (a part cut at a round's edge ends one
+        # chunk and starts the next): the last source region's answer and the last written
+        # region's list serve the next transfer when its objects are the very same.
+        l_key = l_kinds = l_slot = l_anchor = l_wkey = l_dslot = l_danchor = None
+        l_sr = l_dr = -1
+        got: tuple | None = None
+        ws: list = []
         out = []
         for r, transfers in enumerate(messages, first):
             moved = 0
@@ -268,17 +276,26 @@ class _Transfers:
                                        f"outside the layouts (source world {s_world}, "
                                        f"destination world {d_world})", key, ",".join(kinds_t),
                                        (sr, dr), (), box.lo))
+                        if reads is not None:
+                            reads[(key, id(s_slot), id(anchor))] = t
                         continue
                     if s_dev[sr] != m_src or d_dev[dr] != m_dst:
                         _wrong_device(r, Message(m_src, m_dst, ()), t, s_dev, d_dev, emit)
                     else:
                         ok_sr, ok_dr = self.ok_ranks[(m_src, m_dst)] = sr, dr
-                # Keyed by identity: the plan keeps the slot and anchor objects alive, and
-                # transfers cut from one source region share them (equal copies only miss).
-                where = (sr, key, id(s_slot), id(anchor), kinds_t)
-                got = fast.get(where, ())
-                if got == ():
-                    got = self._known(where, t)
+                if not (anchor is l_anchor and s_slot is l_slot and key is l_key
+                        and kinds_t is l_kinds and sr == l_sr):
+                    # Keyed by identity: the plan keeps the slot and anchor objects alive, and
+                    # transfers cut from one source region share them (equal copies only miss).
+                    where = (sr, key, id(s_slot), id(anchor), kinds_t)
+                    got = fast.get(where, ())
+                    if got == ():
+                        got = self._known(where, t)
+                    # (an unknown size is looked up again: ``_slow`` may have learnt it)
+                    l_key, l_kinds, l_slot, l_sr = key, kinds_t, s_slot, sr
+                    l_anchor = anchor if got is not None else None
+                    if reads is not None:
+                        reads[(key, id(s_slot), id(anchor))] = t
                 if got is None:
                     moved += self._slow(r, m_src, m_dst, t)
                 else:
@@ -300,10 +317,13 @@ class _Transfers:
                                            ",".join(kinds_t), (sr, dr), (m_src, m_dst), lo))
                     else:
                         moved += self._slow(r, m_src, m_dst, t)
-                at = (dr, key, id(d_slot), id(d_anchor))
-                ws = by_id.get(at)
-                if ws is None:
-                    ws = by_id[at] = writes[(dr, (key, d_slot, d_anchor))]
+                if not (d_anchor is l_danchor and d_slot is l_dslot and key is l_wkey
+                        and dr == l_dr):
+                    at = (dr, key, id(d_slot), id(d_anchor))
+                    ws = by_id.get(at)
+                    if ws is None:
+                        ws = by_id[at] = writes[(dr, (key, d_slot, d_anchor))]
+                    l_wkey, l_dslot, l_danchor, l_dr = key, d_slot, d_anchor, dr
                 ws.append(t)
             out.append(moved)
         return out
@@ -518,14 +538,15 @@ def _check_classes(plan: Plan, body, src: StateView, dst: StateView, checker: _T
     for c in body.classes:
         head = c.members[0]
         mine = _Writes()
-        sizes = checker.run_rounds(head.src_device, head.dst_device, c.chunks, mine)
+        # Each read region once (by identity first: chunks of one part share them).
+        read: dict[tuple[str, int, int], Transfer] = {}
+        sizes = checker.run_rounds(head.src_device, head.dst_device, c.chunks, mine,
+                                   reads=read)
         n = sum(len(ch) for ch in c.chunks)
         h_sr, h_dr = head.src_rank, head.dst_rank
         s_depth = d_depth = None
         by_part: dict[int, list[Transfer]] = defaultdict(list)
         if 0 <= h_sr < s_world and 0 <= h_dr < d_world:
-            # Each read region once (by identity first: chunks of one part share them).
-            read = {(t.key, id(t.src_slot), id(t.src_anchor)): t for ch in c.chunks for t in ch}
             s_depth = _depth(checker.s_hold, h_sr, [(t.key, t.src_slot, t.src_anchor)
                                                     for t in read.values()])
             # Each written region's part, found once: it gives the depth and the grouping.

@@ -62,7 +62,7 @@ def tiling_fault(anchor: Box, boxes: list[Box]) -> Fault | None:
         >>> tiling_fault(Box((0,), (4,)), [Box((0,), (2,)), Box((3,), (4,))])
         Fault(what='missing', point=(2,), boxes=())
     """
-    if len(boxes) == 1 and boxes[0] == anchor:
+    if len(boxes) == 1 and boxes[0] == anchor or _chain_of_runs(anchor, boxes):
         return None
     cols = _columns(anchor, boxes)
     if cols is None:  # some box is malformed or sticks out: name the first one
@@ -85,6 +85,86 @@ def tiling_fault(anchor: Box, boxes: list[Box]) -> Fault | None:
 def contains(b: Box, point: tuple[int, ...]) -> bool:
     """Whether ``point`` lies in ``b``."""
     return all(l <= x < h for l, h, x in zip(b.lo, b.hi, point))
+
+
+# At most this many row-major runs per box before ``_chain_of_runs`` leaves the boxes to
+# the corner count (a box of a few layers by a part of the experts is a run per layer; a
+# column of a matrix, a run per row).
+RUNS_PER_BOX = 64
+
+
+def _chain_of_runs(anchor: Box, boxes: list[Box]) -> bool:
+    """Whether ``boxes`` tile ``anchor`` as runs of its row-major order, chained end to end.
+
+    Row-major order numbers the anchor's points 0 .. N - 1 one to one. A box inside it is a
+    few runs of consecutive numbers (one, when past its first dim longer than one it spans
+    whole dims only). The runs, sorted by start, tile the anchor exactly when each starts
+    where the previous one ended, the first at 0 and the last ending at N: then every number
+    is in exactly one run. A sort of integers, where the corner count hashes ``2**d`` corners
+    a box; the planner's chunks are such runs (it cuts parts in row-major order). False
+    means "not shown here" (a box outside, empty, of many runs, or not a tiling): the corner
+    count then decides and finds the witness.
+    """
+    a_lo, a_hi = anchor.lo, anchor.hi
+    nd = len(a_lo)
+    strides = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        strides[d] = strides[d + 1] * (a_hi[d + 1] - a_lo[d + 1])
+    dims = tuple(zip(a_lo, a_hi, strides, range(1, nd + 1)))
+    runs: list[tuple[int, int]] = []
+    for b in boxes:
+        lo, hi = b.lo, b.hi
+        if len(lo) != nd or len(hi) != nd:
+            return False
+        start, first = 0, None  # first: its first dim longer than one, if it is several runs
+        for a, z, s, nxt in dims:
+            l, h = lo[nxt - 1], hi[nxt - 1]
+            if not a <= l < h <= z:
+                return False
+            start += (l - a) * s
+            if h - l > 1:  # the first dim longer than one: the rest must be whole
+                if lo[nxt:] != a_lo[nxt:] or hi[nxt:] != a_hi[nxt:]:
+                    first = nxt - 1
+                break
+        else:  # one point
+            runs.append((start, 1))
+            continue
+        if first is None:
+            runs.append((start, (h - l) * s))
+            continue
+        if not _box_runs(b, dims, first, start, runs):
+            return False
+    runs.sort()
+    pos = 0
+    for start, length in runs:
+        if start != pos:
+            return False
+        pos += length
+    return pos == (strides[0] * (a_hi[0] - a_lo[0]) if nd else 1)
+
+
+def _box_runs(b: Box, dims: tuple, first: int, start: int, runs: list[tuple[int, int]]
+              ) -> bool:
+    """Append the runs of ``b``, whose first dim longer than one is ``first`` (``start``: its
+    lo's number) and which spans some later dim in part: one run per index of the dims
+    before its last partial one. False if a dim is out of the anchor or there are more than
+    ``RUNS_PER_BOX`` runs."""
+    lo, hi = b.lo, b.hi
+    last = max(d for d, (a, z, _, _) in enumerate(dims) if lo[d] != a or hi[d] != z)
+    for d in range(first + 1, last + 1):
+        a, z = dims[d][0], dims[d][1]
+        if not a <= lo[d] < hi[d] <= z:
+            return False
+        start += (lo[d] - a) * dims[d][2]
+    starts = [start]
+    for d in range(first, last):
+        step, n = dims[d][2], hi[d] - lo[d]
+        if len(starts) * n > RUNS_PER_BOX:
+            return False
+        starts = [x + i * step for x in starts for i in range(n)]
+    length = (hi[last] - lo[last]) * dims[last][2]
+    runs.extend([(x, length) for x in starts])
+    return True
 
 
 _Columns = tuple[list[tuple[int, ...]], list[tuple[int, ...]]]

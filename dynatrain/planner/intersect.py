@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..ir.box import Box
+from ..ir.box import Box, new_box
 from ..ir.errors import DynatrainError
 from ..ir.slots import Slot
 from ..ir.state import StateView, Stored
@@ -141,7 +141,7 @@ class _Index:
             idx = self.groups.get(head)
             if idx is None:
                 continue
-            sub = Box(head + box.lo[k:], tuple(x + 1 for x in head) + box.hi[k:])
+            sub = new_box(head + box.lo[k:], tuple(x + 1 for x in head) + box.hi[k:])
             out.extend(idx.query(sub))
         return out
 

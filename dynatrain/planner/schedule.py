@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..ir.box import Box
+from ..ir.box import Box, new_box
 from ..ir.units import format_bytes, parse_bytes
 from .intersect import PlanError
 from .plan import Round, Transfer
@@ -30,7 +30,7 @@ def _sub(t: Transfer, box: Box, d: int, lo: int, hi: int) -> Transfer:
     a, z = [*box.lo], [*box.hi]
     a[d], z[d] = lo, hi
     key, kinds, _, sr, dr, s_slot, s_anchor, d_slot, d_anchor, n = t  # _replace is 3x slower
-    return _new(Transfer, (key, kinds, Box((*a,), (*z,)), sr, dr, s_slot, s_anchor, d_slot,
+    return _new(Transfer, (key, kinds, new_box((*a,), (*z,)), sr, dr, s_slot, s_anchor, d_slot,
                            d_anchor, n // (box.hi[d] - box.lo[d]) * (hi - lo)))
 
 

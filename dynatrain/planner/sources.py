@@ -24,7 +24,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
-from ..ir.box import Box
+from ..ir.box import Box, new_box
 from ..ir.layout import DTYPE_BYTES, Layout
 from .intersect import Holders, Intersection
 from .plan import Transfer
@@ -230,7 +230,7 @@ def part_transfers(key: str, kinds: tuple[str, ...], box: Box, nbytes: int,
         last = r
     for r, first, end, n in runs:
         h = cands.group[r]
-        out.append(Transfer(key, kinds, first if first is end else Box(first.lo, end.hi), r,
+        out.append(Transfer(key, kinds, first if first is end else new_box(first.lo, end.hi), r,
                             dst_rank, h.slot, h.anchor, dst_slot, dst_anchor, n))
     return out
 

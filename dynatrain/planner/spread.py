@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from ..ir.box import Box
+from ..ir.box import new_box
 from ..ir.layout import Layout
 from .classes import class_rounds
 from .intersect import PlanError
@@ -104,7 +104,7 @@ def fill(t: Transfer, room: int, tol: int) -> tuple[list[Transfer], list[Transfe
     def piece(d: int, x: int, y: int, nbytes: int) -> Transfer:
         lo, hi = a.copy(), z.copy()
         lo[d], hi[d] = x, y
-        return _new(Transfer, (key, kinds, Box((*lo,), (*hi,)), sr, dr, s_slot, s_anchor,
+        return _new(Transfer, (key, kinds, new_box((*lo,), (*hi,)), sr, dr, s_slot, s_anchor,
                                d_slot, d_anchor, nbytes))
 
     heads: list[Transfer] = []

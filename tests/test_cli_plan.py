@@ -144,24 +144,37 @@ def test_plan_heatmap_and_dot(tmp_path, capsys) -> None:
     assert main(["plan", small, small, "--heatmap", str(tmp_path / "t.jpg")]) == 2
 
 
+def _weights_only_70b(world: int) -> dict:
+    """Llama-3.1-70B TP8 PP4, weights only: every data-parallel replica alike, so pairs
+    that feed them are twins and the plan's classes have several members."""
+    return dict(model="llama3.1-70b", parallel=dict(tp=8, pp=4),
+                state=dict(main_param=None, exp_avg=None, exp_avg_sq=None),
+                world=dict(nodes=world // 8, gpus_per_node=8))
+
+
 @pytest.mark.parametrize("pair,budget", [
     (("specs/tiny-gpt/tp2-dp2.yaml", "specs/tiny-gpt/pp2-dp2.yaml"), 1 << 14),  # many rounds
     ((SRC, DST), 2 << 30),
     (("specs/qwen3-30b-a3b/tp2-pp2-ep4.yaml", "specs/qwen3-30b-a3b/tp2-pp2-ep4.yaml"), 1 << 30),
+    ((_weights_only_70b(128), _weights_only_70b(64)), 2 << 30),  # classes of twins
 ])
 def test_streamed_json_and_text_are_the_documents_bytes(pair, budget, monkeypatch) -> None:
-    # The writers stream a batch of messages at a time; what they write must be exactly the
-    # whole document's compact JSON and the whole text, whatever the batch boundaries.
+    # The writers stream a batch of messages at a time, a plan kept as classes straight
+    # from them; what they write must be exactly the whole document's compact JSON and the
+    # whole text, whatever the batch boundaries.
     import io
 
     from dynatrain.ir.layout import Layout
-    from dynatrain.ir.loader import load_spec, spec_to_dict
+    from dynatrain.ir.loader import load_spec, spec_from_dict, spec_to_dict
     from dynatrain.planner import serialize
     from dynatrain.planner.pipeline import plan_transition
     from dynatrain.planner.text import plan_text_lines, plan_to_text
 
-    src, dst = Layout(load_spec(pair[0])), Layout(load_spec(pair[1]))
+    src, dst = (Layout(load_spec(x) if isinstance(x, str) else spec_from_dict(x, origin="t"))
+                for x in pair)
     plan = plan_transition(src, dst, budget)
+    if isinstance(pair[0], dict):  # members that send with ranks other than the first's
+        assert any(len(c.members) > 1 for c in plan.classes.classes)
     specs = (spec_to_dict(src.spec), spec_to_dict(dst.spec, plan.dst_devices))
     for batch in (1, 3, serialize.STREAM_BATCH):
         monkeypatch.setattr(serialize, "STREAM_BATCH", batch)

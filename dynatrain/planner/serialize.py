@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
-from operator import le
+from collections.abc import Iterator
+from itertools import islice
+from operator import itemgetter, le
 from typing import Any, NoReturn, TextIO
 
 from ..ir.box import Box
 from ..ir.slots import FlatSlot, ParamSlot, Slot, StackSlot
 from ..ir.units import MAX_BYTES
 from . import plan_schema as schema
-from .classes import device_orders, each_round
+from .classes import ClassRounds, LazyRounds, device_orders, each_round
 from .gcpause import cycle_collector_paused
 from .plan import Message, Plan, Round, Transfer
 from .plan_schema import MAX_INT, TRANSFER_FIELDS, fail
@@ -48,12 +50,19 @@ class _SlotTable:
     def __init__(self) -> None:
         self.slots: list[list] = []
         self.index: dict[Slot, int] = {}
+        # By identity first: a plan's transfers share a few slot objects, and hashing a
+        # slot's value (its name) per transfer took a third of writing the 98304-GPU plan.
+        self.by_id: dict[int, tuple[Slot, int]] = {}
 
     def __call__(self, sl: Slot) -> int:
+        hit = self.by_id.get(id(sl))
+        if hit is not None and hit[0] is sl:
+            return hit[1]
         i = self.index.get(sl)
         if i is None:
             i = self.index[sl] = len(self.slots)
             self.slots.append(_slot(sl))
+        self.by_id[id(sl)] = (sl, i)  # the entry keeps ``sl`` alive, so its id stays its own
         return i
 
 
@@ -126,6 +135,45 @@ class _TransferText:
         return (f'{{"src_device":{s(m.src_device)},"dst_device":{s(m.dst_device)},'
                 f'"transfers":[{ts}]}}')
 
+    def class_round(self, body: ClassRounds, i: int) -> Iterator[str]:
+        """``message`` of each message of ``body.round(i)``, in its order, without building
+        them: every member of a class sends the same chunk but for its two ranks, so the
+        chunk's text is made once, as the pieces between the ranks (slots get their numbers
+        there, at the class's first message, as ``message`` would give them), and each
+        member's text is its ranks joined between those pieces."""
+        s = self._s
+        ends: list[tuple[str, str, int, Any]] = [
+            (m.src_device, m.dst_device, k, m)
+            for k, c in enumerate(body.classes) if c.chunks[i] for m in c.members]
+        if i == 0:
+            ends.extend((d, d, -1, ts) for d, ts in body.local)
+        ends.sort(key=_DEVICES)  # stable: ``ClassRounds.round``'s order
+        pieces: dict[int, list[str]] = {}
+        for src, dst, k, m in ends:
+            if k < 0:
+                yield self.message(Message(src, dst, m))
+                continue
+            between = pieces.get(k)
+            if between is None:
+                between = pieces[k] = self._between_ranks(body.classes[k].chunks[i])
+            yield (f'{{"src_device":{s(src)},"dst_device":{s(dst)},"transfers":['
+                   f'{f"{m.src_rank},{m.dst_rank}".join(between)}]}}')
+
+    def _between_ranks(self, ts: tuple[Transfer, ...]) -> list[str]:
+        """The text of ``ts`` (one pair's transfers) cut at each transfer's two ranks."""
+        s, ref = self._s, self.table
+        out, before = [], "["
+        for t in ts:
+            out.append(f"{before}{s(t.key)},{s(t.kinds)},[[{','.join(map(str, t.box.lo))}],"
+                       f"[{','.join(map(str, t.box.hi))}]],")
+            before = (f",{ref(t.src_slot)},{self._box(t.src_anchor)},{ref(t.dst_slot)},"
+                      f"{self._box(t.dst_anchor)},{t.nbytes}],[")
+        out.append(before[:-2])
+        return out
+
+
+_DEVICES = itemgetter(0, 1)
+
 
 STREAM_BATCH = 1024  # messages encoded per json.dumps call while streaming
 
@@ -148,10 +196,12 @@ def _write_plan_json(plan: Plan, out: TextIO, src_spec: dict | None,
     head = _head(plan)
     text = _TransferText(table, enc)
     out.write("{" + ",".join(f"{enc(k)}:{enc(v)}" for k, v in head.items()) + ',"rounds":[')
-    for i, r in enumerate(each_round(plan.rounds)):  # a round's messages at a time
+    body = plan.rounds.body if isinstance(plan.rounds, LazyRounds) else None
+    for i, r in enumerate(range(len(plan.rounds)) if body else each_round(plan.rounds)):
+        # a round's messages at a time; a plan kept as classes, straight from them
+        texts = text.class_round(body, i) if body else map(text.message, r.messages)
         out.write(",[" if i else "[")
-        for j in range(0, len(r.messages), STREAM_BATCH):
-            batch = [text.message(m) for m in r.messages[j:j + STREAM_BATCH]]
+        for j, batch in enumerate(iter(lambda: list(islice(texts, STREAM_BATCH)), [])):
             out.write(("," if j else "") + ",".join(batch))
         out.write("]")
     out.write('],"slots":' + enc(table.slots))

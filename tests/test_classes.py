@@ -20,7 +20,8 @@ from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import load_spec
 from dynatrain.ir.state import transition_views
 from dynatrain.planner.classes import ClassRounds, LazyRounds, Member, PairClass
-from dynatrain.planner.cost import link_bytes
+from dynatrain.planner.cost import (PRESETS, LinkBytes, link_bytes, lower_bound_seconds,
+                                     predicted_seconds)
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Plan
 from dynatrain.verify.check import verify
@@ -58,11 +59,36 @@ def class_faults(plan: Plan, src: Layout, dst: Layout) -> tuple[list, tuple]:
     return found, out
 
 
+def check_cost_figures(plan: Plan) -> None:
+    """Predicted and lower-bound seconds and the staging peak, read from ``plan.link_table``,
+    are the very floats and ints that ``LinkBytes`` of each round (and of the rounds summed)
+    give on every preset topology."""
+    per_round = [link_bytes(r.messages) for r in plan.rounds]
+    total: dict[str, list[int]] = defaultdict(lambda: [0] * 5)
+    for per in per_round:
+        for d, lb in per.items():
+            for i, v in enumerate((lb.intra_out, lb.intra_in, lb.inter_out, lb.inter_in,
+                                   lb.local)):
+                total[d][i] += v
+    for topo in PRESETS.values():
+        busiest = [max((lb.seconds(topo) for lb in per.values()), default=0.0)
+                   for per in per_round]
+        assert predicted_seconds(plan, topo) == sum(topo.latency_us * 1e-6 + b for b in busiest)
+        whole = max((LinkBytes(*v).seconds(topo) for v in total.values()), default=0.0)
+        assert lower_bound_seconds(plan, topo) == (topo.latency_us * 1e-6 if whole else 0.0) \
+            + whole
+    assert plan.link_table.staging_peak() == max(
+        (lb.intra_out + lb.intra_in + lb.inter_out + lb.inter_in
+         for per in per_round for lb in per.values()), default=0)
+
+
 def check_same_as_explicit(plan: Plan, src: Layout, dst: Layout) -> None:
     assert plan.classes is not None
     flat = explicit(plan)
     # Statistics read from the classes are those of the explicit rounds.
     assert plan.round_links == tuple(link_bytes(r.messages) for r in flat.rounds)
+    for p in (plan, flat):  # the cost model's numbers (numpy) against LinkBytes, exactly
+        check_cost_figures(p)
     messages = [m for m in flat.messages() if not m.local]
     assert plan.stats["messages"] == len(messages)
     assert plan.stats["bytes_moved"] == sum(m.nbytes for m in messages)

@@ -136,6 +136,84 @@ def link_bytes(messages: Iterable[Message]) -> dict[str, LinkBytes]:
 def class_link_bytes(body) -> tuple[dict[str, LinkBytes], ...]:
     """``link_bytes`` of every round of a ``classes.ClassRounds``, from its classes' chunk
     sizes and members (no message is built; numpy sums the millions of them, exactly)."""
+    return class_link_table(body).dicts()
+
+
+@dataclass(frozen=True)
+class LinkTable:
+    """Per round, ``link_bytes`` as numbers: ``bytes[r][d]`` holds device ``devices[d]``'s
+    five ``LinkBytes`` fields (int64, exact) and ``present[r][d]`` whether it moves
+    anything in round r. The cost model reads it with numpy: the 98304-GPU plan has a
+    million (device, round) entries, and one ``LinkBytes`` each took seconds to build and
+    read for every figure."""
+
+    devices: tuple[str, ...]
+    bytes: tuple[np.ndarray, ...]
+    present: tuple[np.ndarray, ...]
+
+    @classmethod
+    def of(cls, rounds: Iterable[dict[str, LinkBytes]]) -> "LinkTable":
+        """From ``link_bytes`` of each round."""
+        rounds = list(rounds)
+        index: dict[str, int] = {}
+        for per in rounds:
+            for d in per:
+                index.setdefault(d, len(index))
+        n = len(index)
+        table, present = [], []
+        for per in rounds:
+            b = np.zeros((n, 5), np.int64)
+            p = np.zeros(n, bool)
+            rows = [index[d] for d in per]
+            if rows:
+                b[rows] = [[lb.intra_out, lb.intra_in, lb.inter_out, lb.inter_in, lb.local]
+                           for lb in per.values()]
+                p[rows] = True
+            table.append(b)
+            present.append(p)
+        return cls(tuple(index), tuple(table), tuple(present))
+
+    def dicts(self) -> tuple[dict[str, LinkBytes], ...]:
+        """Each round's ``link_bytes`` (devices that move anything, in ``devices`` order)."""
+        out = []
+        for b, p in zip(self.bytes, self.present):
+            rows = np.flatnonzero(p).tolist()
+            out.append({self.devices[d]: LinkBytes(*v) for d, v in zip(rows, b[p].tolist())})
+        return tuple(out)
+
+    def busiest(self, topo: Topology) -> list[float]:
+        """Per round, the seconds of its busiest device (``LinkBytes.seconds``; 0.0 when
+        nothing moves)."""
+        return [_busiest_rows(b[p], topo) for b, p in zip(self.bytes, self.present)]
+
+    def total_busiest(self, topo: Topology) -> float:
+        """The busiest device over the whole plan: ``busiest`` of every round's bytes summed
+        (``total_link_bytes``)."""
+        if not self.bytes:
+            return 0.0
+        present = np.logical_or.reduce(self.present)
+        return _busiest_rows(sum(self.bytes)[present], topo)
+
+    def staging_peak(self) -> int:
+        """The most bytes one device stages in one round (``staging_peak`` of every round)."""
+        return max((int(b[p, :4].sum(axis=1).max()) for b, p in zip(self.bytes, self.present)
+                    if p.any()), default=0)
+
+
+def _busiest_rows(rows: np.ndarray, topo: Topology) -> float:
+    """``max(lb.seconds(topo))`` over rows of ``LinkBytes`` fields, the same floats: each
+    int64 is below 2**53, so it converts exactly, as Python's int / float does."""
+    if not len(rows):
+        return 0.0
+    f = rows.astype(np.float64)
+    s = np.maximum(np.maximum(np.maximum(f[:, 0], f[:, 1]) / (topo.intra_node_GBps * 1e9),
+                              np.maximum(f[:, 2], f[:, 3]) / (topo.inter_node_GBps * 1e9)),
+                   f[:, 4] / (topo.local_copy_GBps * 1e9))
+    return float(s.max())
+
+
+def class_link_table(body) -> LinkTable:
+    """The ``LinkTable`` of a ``classes.ClassRounds``, from its sizes alone."""
     sized = body.sized
     node_ids: dict[str, int] = {}
     node = np.array([node_ids.setdefault(node_of(d), len(node_ids)) for d in sized.devices],
@@ -144,7 +222,7 @@ def class_link_bytes(body) -> tuple[dict[str, LinkBytes], ...]:
     cross = sized.src != sized.dst
     intra = cross & (node[sized.src] == node[sized.dst])
     inter = cross & ~intra
-    out = []
+    table, shown = [], []
     for r in range(body.rounds):
         b = sized.sizes[sized.klass, r]
         live = sized.counts[sized.klass, r] > 0
@@ -157,10 +235,9 @@ def class_link_bytes(body) -> tuple[dict[str, LinkBytes], ...]:
         if r == 0 and len(sized.local):
             cols[4] += _sum_at(sized.local, sized.local_bytes, sized.local_counts > 0, n_dev)
             present[sized.local[sized.local_counts > 0]] = True
-        rows = np.stack(cols, axis=1)[present].tolist()
-        out.append({sized.devices[d]: LinkBytes(*v)
-                    for d, v in zip(np.flatnonzero(present).tolist(), rows)})
-    return tuple(out)
+        table.append(np.stack(cols, axis=1).astype(np.int64, copy=False))
+        shown.append(present)
+    return LinkTable(tuple(sized.devices), tuple(table), tuple(shown))
 
 
 def _sum_at(where: np.ndarray, values: np.ndarray, mask: np.ndarray, n: int) -> np.ndarray:
@@ -208,23 +285,12 @@ def total_link_bytes(plan: Plan) -> dict[str, LinkBytes]:
     return {d: LinkBytes(*v) for d, v in acc.items()}
 
 
-def staging_peak(per_dev: dict[str, LinkBytes]) -> int:
-    """The most bytes one device stages in a round of these link bytes: what it sends and
-    receives between devices (``schedule.peak_staging``'s staging model)."""
-    return max((lb.intra_out + lb.intra_in + lb.inter_out + lb.inter_in
-                for lb in per_dev.values()), default=0)
-
-
-def _busiest(per_dev: dict[str, LinkBytes], topo: Topology) -> float:
-    return max((lb.seconds(topo) for lb in per_dev.values()), default=0.0)
-
-
 def predicted_seconds(plan: Plan, topo: Topology) -> float:
-    return sum(topo.latency_us * 1e-6 + _busiest(per, topo) for per in plan.round_links)
+    return sum(topo.latency_us * 1e-6 + b for b in plan.link_table.busiest(topo))
 
 
 def lower_bound_seconds(plan: Plan, topo: Topology) -> float:
-    busiest = _busiest(total_link_bytes(plan), topo)
+    busiest = plan.link_table.total_busiest(topo)
     return (topo.latency_us * 1e-6 if busiest else 0.0) + busiest
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..ir.layout import Layout
 from ..ir.state import StateView, transition_views
-from .cost import H100, Topology, lower_bound_seconds, predicted_seconds, staging_peak
+from .cost import H100, Topology, lower_bound_seconds, predicted_seconds
 from .gcpause import cycle_collector_paused
 from .intersect import Intersection, PlanError, intersect
 from .lost import StateLost, check_failed, lost_state
@@ -152,7 +152,7 @@ def _schedule(inter: Intersection, src: Layout, dst: Layout, dtypes: dict[tuple[
         pairs=sum(len(c.members) for c in body.classes),
         pair_classes=len(body.classes),
         rounds=n,
-        peak_staging_bytes=max((staging_peak(per) for per in plan.round_links), default=0),
+        peak_staging_bytes=plan.link_table.staging_peak(),
         budget_bytes=budget_bytes,
         spread=[unit, n],  # what a device's slice needs besides the layouts (``slices``)
         predicted_seconds=predicted_seconds(plan, topology),

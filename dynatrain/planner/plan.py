@@ -138,7 +138,16 @@ class Plan:
         """Per round, the bytes each device moves over each of its links
         (``cost.link_bytes``), computed once: the cost model, the lower bound, the summary
         and ``--per-device`` all read it (a plan never changes)."""
-        from .cost import class_link_bytes, link_bytes  # cost imports this module
+        from .cost import link_bytes  # cost imports this module
         if self.classes is not None:
-            return class_link_bytes(self.classes)
+            return self.link_table.dicts()
         return tuple(link_bytes(r.messages) for r in self.rounds)
+
+    @cached_property
+    def link_table(self):
+        """``round_links`` as numbers (``cost.LinkTable``), which the cost model reads; from
+        the classes' sizes when the plan has them, no message nor ``LinkBytes`` built."""
+        from .cost import LinkTable, class_link_table  # cost imports this module
+        if self.classes is not None:
+            return class_link_table(self.classes)
+        return LinkTable.of(self.round_links)

@@ -161,13 +161,23 @@ class _TransferText:
 
     def _between_ranks(self, ts: tuple[Transfer, ...]) -> list[str]:
         """The text of ``ts`` (one pair's transfers) cut at each transfer's two ranks."""
-        s, ref = self._s, self.table
+        s, ref, box = self._s, self.table, self._box
         out, before = [], "["
+        # The pieces of one part follow each other and share its four region objects: the
+        # text of those (and of the key and kinds) is made once per run of them.
+        key = kinds = ss = sa = ds = da = None
+        head = mid = ""
         for t in ts:
-            out.append(f"{before}{s(t.key)},{s(t.kinds)},[[{','.join(map(str, t.box.lo))}],"
-                       f"[{','.join(map(str, t.box.hi))}]],")
-            before = (f",{ref(t.src_slot)},{self._box(t.src_anchor)},{ref(t.dst_slot)},"
-                      f"{self._box(t.dst_anchor)},{t.nbytes}],[")
+            if t[0] is not key or t[1] is not kinds:
+                key, kinds = t[0], t[1]
+                head = f"{s(key)},{s(kinds)},[["
+            if not (t[6] is sa and t[5] is ss and t[8] is da and t[7] is ds):
+                ss, sa, ds, da = t[5], t[6], t[7], t[8]
+                mid = f",{ref(ss)},{box(sa)},{ref(ds)},{box(da)},"
+            b = t[2]
+            out.append(f"{before}{head}{','.join(map(str, b.lo))}],"
+                       f"[{','.join(map(str, b.hi))}]],")
+            before = f"{mid}{t[9]}],["
         out.append(before[:-2])
         return out
 

@@ -55,8 +55,10 @@ def tiling_fault(anchor: Box, boxes: list[Box]) -> Fault | None:
 
     Faults are looked for in this order: the first malformed box (``empty``) or box sticking
     out of the anchor (``outside``), then the lexicographically least point of the anchor whose
-    coverage is not one: ``twice`` (with the first two boxes covering it) or ``missing``. Time
-    and memory are linear in ``len(boxes)`` (times ``2**ndim``), whatever the boxes' shapes.
+    coverage is not one: ``twice`` (with the first two boxes covering it) or ``missing``. Boxes
+    cut as the planner cuts are confirmed first as row-major runs chained end to end (a sort,
+    ``_chain_of_runs``); otherwise time and memory are linear in ``len(boxes)`` (times
+    ``2**ndim``), whatever the boxes' shapes.
 
     Example:
         >>> tiling_fault(Box((0,), (4,)), [Box((0,), (2,)), Box((3,), (4,))])

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,6 +55,9 @@ class PairClass:
         return with_ranks(c, member.src_rank, member.dst_rank)
 
 
+_DEVICES = itemgetter(0, 1)
+
+
 @dataclass(frozen=True)
 class ClassRounds:
     """A plan's rounds as classes of pairs plus each device's local copies (round 0)."""
@@ -62,23 +66,30 @@ class ClassRounds:
     classes: tuple[PairClass, ...]
     local: tuple[tuple[str, tuple[Transfer, ...]], ...]  # (device, its copies), by device
 
+    def message_ends(self, i: int) -> list[tuple[str, str, int, Any]]:
+        """Round ``i``'s messages, none built, in the round's one order (by source, then
+        destination device): (source device, destination device, class index, member) for
+        every member of a class that sends in round i, and (device, device, -1, its copies)
+        for the local copies in round 0."""
+        ends: list[tuple[str, str, int, Any]] = [
+            (m.src_device, m.dst_device, k, m)
+            for k, c in enumerate(self.classes) if c.chunks[i] for m in c.members]
+        if i == 0:
+            ends.extend((d, d, -1, ts) for d, ts in self.local)
+        ends.sort(key=_DEVICES)  # no two messages of a round share both devices
+        return ends
+
     def round(self, i: int) -> Round:
         """Round ``i``: every class member's chunk i, the local copies in round 0, messages
         by (source, destination) device, run in that one order."""
-        msgs = [Message(m.src_device, m.dst_device, c.transfers_of(i, m))
-                for c in self.classes if c.chunks[i] for m in c.members]
-        if i == 0:
-            msgs.extend(Message(d, d, ts) for d, ts in self.local)
-        ms = tuple(sorted(msgs, key=lambda m: (m.src_device, m.dst_device)))
+        ms = tuple(Message(s, d, self.classes[k].transfers_of(i, m) if k >= 0 else m)
+                   for s, d, k, m in self.message_ends(i))
         return Round(ms, message_order(ms))
 
     def order(self, i: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """``round(i).order`` from the devices alone (no transfer is built)."""
-        ends = [m for c in self.classes if c.chunks[i] for m in c.members]
-        if i == 0:
-            ends.extend(Member(d, d, -1, -1) for d, _ in self.local)
-        ends.sort(key=lambda m: (m.src_device, m.dst_device))
-        return message_order(ends)
+        return message_order([m if k >= 0 else Member(s, d, -1, -1)
+                              for s, d, k, m in self.message_ends(i)])
 
     @cached_property
     def sized(self) -> "SizedMessages":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from itertools import islice
-from operator import itemgetter, le
+from operator import le
 from typing import Any, NoReturn, TextIO
 
 from ..ir.box import Box
@@ -143,14 +143,8 @@ class _TransferText:
         there, at the class's first message, as ``message`` would give them), and each
         member's text is its ranks joined between those pieces."""
         s = self._s
-        ends: list[tuple[str, str, int, Any]] = [
-            (m.src_device, m.dst_device, k, m)
-            for k, c in enumerate(body.classes) if c.chunks[i] for m in c.members]
-        if i == 0:
-            ends.extend((d, d, -1, ts) for d, ts in body.local)
-        ends.sort(key=_DEVICES)  # stable: ``ClassRounds.round``'s order
         pieces: dict[int, list[str]] = {}
-        for src, dst, k, m in ends:
+        for src, dst, k, m in body.message_ends(i):
             if k < 0:
                 yield self.message(Message(src, dst, m))
                 continue
@@ -183,9 +177,6 @@ class _TransferText:
         return out
 
 
-_DEVICES = itemgetter(0, 1)
-
-
 STREAM_BATCH = 1024  # messages encoded per json.dumps call while streaming
 
 
@@ -208,9 +199,10 @@ def _write_plan_json(plan: Plan, out: TextIO, src_spec: dict | None,
     text = _TransferText(table, enc)
     out.write("{" + ",".join(f"{enc(k)}:{enc(v)}" for k, v in head.items()) + ',"rounds":[')
     body = plan.rounds.body if isinstance(plan.rounds, LazyRounds) else None
-    for i, r in enumerate(range(len(plan.rounds)) if body else each_round(plan.rounds)):
+    classes = body is not None
+    for i, r in enumerate(range(len(plan.rounds)) if classes else each_round(plan.rounds)):
         # a round's messages at a time; a plan kept as classes, straight from them
-        texts = text.class_round(body, i) if body else map(text.message, r.messages)
+        texts = text.class_round(body, i) if classes else map(text.message, r.messages)
         out.write(",[" if i else "[")
         for j, batch in enumerate(iter(lambda: list(islice(texts, STREAM_BATCH)), [])):
             out.write(("," if j else "") + ",".join(batch))

@@ -107,6 +107,8 @@ def _chain_of_runs(anchor: Box, boxes: list[Box]) -> bool:
     means "not shown here" (a box outside, empty, of many runs, or not a tiling): the corner
     count then decides and finds the witness.
     """
+    if not boxes:  # the corner count reports the gap
+        return False
     a_lo, a_hi = anchor.lo, anchor.hi
     nd = len(a_lo)
     strides = [1] * nd

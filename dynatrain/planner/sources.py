@@ -280,9 +280,11 @@ class ReplicaIndex:
         if self._keys is None:
             L = self.layout
             # Keys name the expert family, not the EP rank: EP rank 0's stages list them all.
+            # A dense model has none, found without compiling every stage (a slice compiles
+            # only the stages it meets).
             self._keys = frozenset(d.key for pp in range(L.parallel.pp)
                                    for defs, _ in L.chunk_defs(pp, 0) for d in defs
-                                   if d.expert)
+                                   if d.expert) if L.model.num_moe_experts else frozenset()
         return self._keys
 
     def of(self, rank: int, key: str) -> tuple[int, int]:

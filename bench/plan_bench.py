@@ -14,8 +14,9 @@ Five sections, each printed as a table and written to one JSON file:
    (``plan_slice(..., spread=the global plan's)``) for the first, middle and last device, cold,
    next to the global plan's time; the DCP section adds our slowest slice of its case and the
    ratio DCP slowest rank / our slice.
-5. series_405b: Llama-3.1-405B TP8 PP16 on N -> 3N/4 GPUs; the global plan (with verify) up
-   to ``--global-max`` GPUs, slices at every size, each in a fresh process (time, peak RSS).
+5. series_405b: Llama-3.1-405B TP8 PP16 on N -> 3N/4 GPUs; up to ``--global-max`` GPUs the
+   whole ``dynatrain plan A B --json P`` command (its wall time and its own plan and verify
+   seconds), slices at every size, each in a fresh process (time, peak RSS).
 
 Run ``python bench/plan_bench.py [--quick] [--full] [--global-max N] [--out FILE]``.
 ``--quick`` skips the 405B pair and series, stops the scaling sweep at 1024 ranks, runs one DCP
@@ -36,6 +37,7 @@ import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -628,6 +630,36 @@ def slice_in_process(src: dict, dst: dict, device: str, spread: Any) -> dict[str
     return json.loads(out.stdout)
 
 
+def command_in_process(src: dict, dst: dict) -> dict[str, Any]:
+    """``dynatrain plan A B --json P`` in a fresh process, as the issue's table measured it:
+    its wall time (``command_seconds``: start-up, imports, compiling, planning, verifying,
+    writing the JSON and the summary) and the plan's summary as the JSON records it (the
+    command's own ``plan_seconds`` and ``verify_seconds``). A failed verification exits
+    non-zero and stops the bench."""
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b, out = Path(tmp, "src.yaml"), Path(tmp, "dst.yaml"), Path(tmp, "plan.json")
+        a.write_text(yaml.safe_dump(src), encoding="utf-8")
+        b.write_text(yaml.safe_dump(dst), encoding="utf-8")
+        t = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "dynatrain.cli", "plan", str(a), str(b),
+                               "--json", str(out)], capture_output=True, text=True, cwd=ROOT,
+                              check=False)
+        seconds = time.perf_counter() - t
+        if done.returncode:
+            raise SystemExit(f"dynatrain plan {src['name']} -> {dst['name']} failed "
+                             f"({done.returncode}): {done.stderr.strip()[-500:]}")
+        return dict(json_summary(out), command_seconds=seconds, json_bytes=out.stat().st_size)
+
+
+def json_summary(path: Path) -> dict[str, Any]:
+    """The ``summary`` object of a plan file, parsed without reading its rounds (the file of
+    the 98304-GPU plan is 1 GB; the summary comes before the rounds)."""
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1 << 24)
+    at = head.index('"summary":') + len('"summary":')
+    return json.JSONDecoder().raw_decode(head, at)[0]
+
+
 def run_series(full: bool, global_max: int) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     spread, spread_from = None, None
@@ -636,13 +668,13 @@ def run_series(full: bool, global_max: int) -> dict[str, Any]:
         src_raw, dst_raw = series_raw(n), series_raw(m)
         row: dict[str, Any] = dict(gpus=f"{n}->{m}", src_ranks=n, dst_ranks=m)
         if n <= global_max:
-            s = timed_plan(spec_from_dict(src_raw, origin=src_raw["name"]),
-                           spec_from_dict(dst_raw, origin=dst_raw["name"]), verified=True)
+            s = command_in_process(src_raw, dst_raw)
             spread, spread_from = s["spread"], n
             row.update(plan_seconds=s["plan_seconds"], verify_seconds=s["verify_seconds"],
-                       verified=s["verified"], transfers=s["transfers"],
+                       verified=True, transfers=s["transfers"],
                        messages=s["messages"], rounds=s["rounds"], pairs=s["pairs"],
                        pair_classes=s["pair_classes"],
+                       command_seconds=s["command_seconds"], json_bytes=s["json_bytes"],
                        time_ratio=ratio(s["predicted_seconds"], s["lower_bound_seconds"]))
         devs = sampled_devices(spec_from_dict(src_raw, origin="src"),
                                spec_from_dict(dst_raw, origin="dst"))
@@ -655,17 +687,21 @@ def run_series(full: bool, global_max: int) -> dict[str, Any]:
         print(f"  405B {row['gpus']}: plan {fmt(row.get('plan_seconds'))} s, slice max "
               f"{row['slice_max_seconds']:.2f} s", flush=True)
     print_table(
-        f"5. {SERIES_MODEL} TP8 PP16, N -> 3N/4 GPUs (global plan up to {global_max} GPUs; "
-        "slices in fresh processes)",
+        f"5. {SERIES_MODEL} TP8 PP16, N -> 3N/4 GPUs (the command up to {global_max} GPUs; "
+        "it and the slices in fresh processes)",
         ["GPUs", "transfers", "msgs", "pairs", "classes", "rounds", "plan s", "verify s",
-         "pred/LB", "slice max s", "slice mean s", "slice RSS GiB"],
+         "command s", "pred/LB", "slice max s", "slice mean s", "slice RSS GiB"],
         [[r["gpus"], str(r.get("transfers", "-")), str(r.get("messages", "-")),
           str(r.get("pairs", "-")), str(r.get("pair_classes", "-")),
           str(r["rounds"]) if "rounds" in r else f"{r['spread'][1]}*", fmt(r.get("plan_seconds")),
-          fmt(r.get("verify_seconds")), fmt(r.get("time_ratio"), ".3f"),
+          fmt(r.get("verify_seconds")), fmt(r.get("command_seconds"), ".1f"),
+          fmt(r.get("time_ratio"), ".3f"),
           fmt(r["slice_max_seconds"]), fmt(r["slice_mean_seconds"]),
           fmt(r["slice_rss_max_bytes"] / GIB)] for r in rows],
     )
+    print("plan s, verify s: the command's own figures; command s: the wall time of "
+          "`dynatrain plan A B --json P` in a fresh process (imports, compiling, planning, "
+          "verifying, writing the JSON).")
     print("pairs: device pairs that exchange; classes: those cut alike, kept once by the "
           "global plan (planner.classes).")
     print("slice s: a fresh process compiling both layouts and computing its own part; RSS: "

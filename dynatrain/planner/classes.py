@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from heapq import merge
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -71,12 +72,19 @@ class ClassRounds:
         destination device): (source device, destination device, class index, member) for
         every member of a class that sends in round i, and (device, device, -1, its copies)
         for the local copies in round 0."""
-        ends: list[tuple[str, str, int, Any]] = [
-            (m.src_device, m.dst_device, k, m)
-            for k, c in enumerate(self.classes) if c.chunks[i] for m in c.members]
-        if i == 0:
-            ends.extend((d, d, -1, ts) for d, ts in self.local)
-        ends.sort(key=_DEVICES)  # no two messages of a round share both devices
+        sends = [bool(c.chunks[i]) for c in self.classes]
+        ends = [e for e in self._by_devices if sends[e[2]]]  # a sorted list, filtered
+        if i == 0 and self.local:
+            ends = list(merge(ends, [(d, d, -1, ts) for d, ts in self.local], key=_DEVICES))
+        return ends
+
+    @cached_property
+    def _by_devices(self) -> list[tuple[str, str, int, Member]]:
+        """Every member of every class by its two devices: each round's messages in order,
+        sorted once (no two members share both devices, nor a member a local copy's)."""
+        ends = [(m.src_device, m.dst_device, k, m)
+                for k, c in enumerate(self.classes) for m in c.members]
+        ends.sort(key=_DEVICES)
         return ends
 
     def round(self, i: int) -> Round:

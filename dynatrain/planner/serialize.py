@@ -119,7 +119,7 @@ class _TransferText:
     def _box(self, b: Box) -> str:
         hit = self.boxes.get(id(b))
         if hit is None or hit[0] is not b:  # the entry keeps ``b`` alive: its id stays its
-            text = f"[[{','.join(map(str, b.lo))}],[{','.join(map(str, b.hi))}]]"
+            text = f"[[{_ints(b.lo)}],[{_ints(b.hi)}]]"
             if len(self.boxes) > 1 << 16:  # anchors repeat nearby; bound the memo
                 self.boxes.clear()
             self.boxes[id(b)] = (b, text)
@@ -129,8 +129,8 @@ class _TransferText:
     def message(self, m: Message) -> str:
         s, ref = self._s, self.table
         ts = ",".join([
-            f"[{s(t.key)},{s(t.kinds)},[[{','.join(map(str, t.box.lo))}],"
-            f"[{','.join(map(str, t.box.hi))}]],{t.src_rank},{t.dst_rank},{ref(t.src_slot)},"
+            f"[{s(t.key)},{s(t.kinds)},[[{_ints(t.box.lo)}],"
+            f"[{_ints(t.box.hi)}]],{t.src_rank},{t.dst_rank},{ref(t.src_slot)},"
             f"{self._box(t.src_anchor)},{ref(t.dst_slot)},{self._box(t.dst_anchor)},{t.nbytes}]"
             for t in m.transfers])
         return (f'{{"src_device":{s(m.src_device)},"dst_device":{s(m.dst_device)},'
@@ -170,11 +170,19 @@ class _TransferText:
                 ss, sa, ds, da = t[5], t[6], t[7], t[8]
                 mid = f",{ref(ss)},{box(sa)},{ref(ds)},{box(da)},"
             b = t[2]
-            out.append(f"{before}{head}{','.join(map(str, b.lo))}],"
-                       f"[{','.join(map(str, b.hi))}]],")
+            out.append(f"{before}{head}{_ints(b.lo)}],[{_ints(b.hi)}]],")
             before = f"{mid}{t[9]}],["
         out.append(before[:-2])
         return out
+
+
+# "%d,%d,%d" per length: one C call per tuple of ints, half the time of joining str()s
+_INT_FORMATS = tuple(",".join(["%d"] * n) for n in range(17))
+
+
+def _ints(t: tuple[int, ...]) -> str:
+    """``t`` as the inside of its compact JSON list (``json.dumps``'s text of each int)."""
+    return _INT_FORMATS[len(t)] % t if len(t) < len(_INT_FORMATS) else ",".join(map(str, t))
 
 
 STREAM_BATCH = 1024  # messages encoded per json.dumps call while streaming

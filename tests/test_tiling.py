@@ -100,28 +100,33 @@ def _split(draw, box: Box, depth: int) -> list[Box]:
     return _split(draw, left, depth - 1) + _split(draw, right, depth - 1)
 
 
-@st.composite
-def near_tilings(draw):
-    """A guillotine tiling of an anchor, shuffled, then maybe broken the way a bad plan is:
-    a box dropped, duplicated, shifted by one, shrunk by one, or an extra box added."""
-    anchor = draw(anchors())
-    boxes = draw(st.permutations(_split(draw, anchor, 6)))
-    how = draw(st.sampled_from(["keep", "drop", "duplicate", "shift", "shrink", "extra"]))
+def _broken(draw, anchor: Box, boxes: list[Box], how: str) -> list[Box]:
+    """``boxes`` broken the way a bad plan is (``how``): a box dropped, duplicated, shifted
+    by one, shrunk by one, or an extra box added; kept as they are otherwise."""
     i = draw(st.integers(0, len(boxes) - 1))
     b = boxes[i]
     if how == "drop":
-        boxes = boxes[:i] + boxes[i + 1:]
-    elif how == "duplicate":
-        boxes = boxes + [b]
-    elif how in ("shift", "shrink") and b.lo:
+        return boxes[:i] + boxes[i + 1:]
+    if how == "duplicate":
+        return boxes + [b]
+    if how in ("shift", "shrink") and b.lo:
         d = draw(st.integers(0, len(b.lo) - 1))
         step = draw(st.sampled_from([-1, 1])) if how == "shift" else 0
         lo = b.lo[:d] + (b.lo[d] + step,) + b.lo[d + 1:]
         hi = b.hi[:d] + (b.hi[d] + (step or -1),) + b.hi[d + 1:]
-        boxes = boxes[:i] + [Box(lo, hi)] + boxes[i + 1:]
-    elif how == "extra":  # overlaps some piece
-        boxes = boxes + [draw(box_in(anchor))]
-    return anchor, boxes
+        return boxes[:i] + [Box(lo, hi)] + boxes[i + 1:]
+    if how == "extra":  # overlaps some piece
+        return boxes + [draw(box_in(anchor))]
+    return boxes
+
+
+@st.composite
+def near_tilings(draw):
+    """A guillotine tiling of an anchor, shuffled, then maybe broken (``_broken``)."""
+    anchor = draw(anchors())
+    boxes = draw(st.permutations(_split(draw, anchor, 6)))
+    how = draw(st.sampled_from(["keep", "drop", "duplicate", "shift", "shrink", "extra"]))
+    return anchor, _broken(draw, anchor, boxes, how)
 
 
 @given(loose_boxes())
@@ -165,8 +170,8 @@ def _interval_boxes(lo: tuple[int, ...], shape: tuple[int, ...], s: int, e: int)
 @st.composite
 def run_tilings(draw):
     """An anchor cut at random numbers of its row-major order into runs, shuffled, then maybe
-    broken as ``near_tilings`` breaks them; now and then two runs joined across an index
-    into one box of several runs (a few layers by part of the experts)."""
+    broken (``_broken``); now and then cut instead into a block of several runs (a few
+    layers by part of the experts), the rest of its rows, and what lies below."""
     anchor = draw(anchors())
     shape, total = anchor.shape, anchor.numel
     cuts = sorted(set(draw(st.lists(st.integers(1, max(1, total - 1)), max_size=6))))
@@ -184,19 +189,7 @@ def run_tilings(draw):
         boxes = [block, rest, *below]
     boxes = draw(st.permutations(boxes))
     how = draw(st.sampled_from(["keep", "keep", "drop", "duplicate", "shift", "shrink"]))
-    i = draw(st.integers(0, len(boxes) - 1))
-    b = boxes[i]
-    if how == "drop":
-        boxes = boxes[:i] + boxes[i + 1:]
-    elif how == "duplicate":
-        boxes = boxes + [b]
-    elif how in ("shift", "shrink") and b.lo:
-        d = draw(st.integers(0, len(b.lo) - 1))
-        step = draw(st.sampled_from([-1, 1])) if how == "shift" else 0
-        boxes = boxes[:i] + [Box(b.lo[:d] + (b.lo[d] + step,) + b.lo[d + 1:],
-                                 b.hi[:d] + (b.hi[d] + (step or -1),) + b.hi[d + 1:])] + \
-            boxes[i + 1:]
-    return anchor, boxes, how == "keep"
+    return anchor, _broken(draw, anchor, boxes, how), how == "keep"
 
 
 @given(run_tilings())

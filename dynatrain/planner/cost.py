@@ -133,12 +133,6 @@ def link_bytes(messages: Iterable[Message]) -> dict[str, LinkBytes]:
     return _link_bytes((m.nbytes, m.src_device, m.dst_device) for m in messages)
 
 
-def class_link_bytes(body) -> tuple[dict[str, LinkBytes], ...]:
-    """``link_bytes`` of every round of a ``classes.ClassRounds``, from its classes' chunk
-    sizes and members (no message is built; numpy sums the millions of them, exactly)."""
-    return class_link_table(body).dicts()
-
-
 @dataclass(frozen=True)
 class LinkTable:
     """Per round, ``link_bytes`` as numbers: ``bytes[r][d]`` holds device ``devices[d]``'s
@@ -213,7 +207,8 @@ def _busiest_rows(rows: np.ndarray, topo: Topology) -> float:
 
 
 def class_link_table(body) -> LinkTable:
-    """The ``LinkTable`` of a ``classes.ClassRounds``, from its sizes alone."""
+    """The ``LinkTable`` of a ``classes.ClassRounds``, from its classes' chunk sizes and
+    members (no message is built; numpy sums the millions of them, exactly)."""
     sized = body.sized
     node_ids: dict[str, int] = {}
     node = np.array([node_ids.setdefault(node_of(d), len(node_ids)) for d in sized.devices],

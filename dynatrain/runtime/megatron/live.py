@@ -107,6 +107,20 @@ from .world import WorldSwitch
 SLICE_PLANNER = "spread-1"  # in the digest: processes must run the same planner
 
 
+def slice_digest(src_spec: LayoutSpec, src: Layout, dst_spec: LayoutSpec, dst: Layout,
+                 budget_bytes: int, topology: Topology) -> bytes:
+    """What determines a same-devices switch's slices, hashed: the processes of the job must
+    agree on it before each cuts its own slice.
+
+    Each spec is hashed with its world as the explicit device list: a process that joined
+    read its spec back from the rendezvous in that form, while the others may hold the
+    ``nodes``/``gpus_per_node`` form of the same layout.
+    """
+    doc = {"src": spec_to_dict(src_spec, src.devices), "dst": spec_to_dict(dst_spec, dst.devices),
+           "budget": budget_bytes, "topology": topology.model_dump(), "planner": SLICE_PLANNER}
+    return hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(), digest_size=16).digest()
+
+
 class LiveSwitcher:
     """Plans, verifies and runs layout switches of the Megatron job on this process.
 
@@ -235,12 +249,9 @@ class LiveSwitcher:
             # Only this device's part; its rounds are cut at switch time, once the job has
             # agreed on their number. The digest covers what determines the plan.
             pairs = slice_pairs(src, dst, self.device)
-            doc = {"src": spec_to_dict(src_spec), "dst": spec_to_dict(dst_spec),
-                   "budget": self.budget_bytes, "topology": self.topology.model_dump(),
-                   "planner": SLICE_PLANNER}
-            text = json.dumps(doc, sort_keys=True).encode()
             return Prepared(src_spec, src, dst_spec, dst, None,
-                            hashlib.blake2b(text, digest_size=16).digest(),
+                            slice_digest(src_spec, src, dst_spec, dst, self.budget_bytes,
+                                         self.topology),
                             time.perf_counter() - t0, 0.0, generation, in_place, pairs)
         plan = plan_transition(src, dst, self.budget_bytes, self.topology)
         t1 = time.perf_counter()

@@ -6,11 +6,11 @@ light on machines without it.
 """
 
 from .bridge import STEP_KEY, SlotSpec, extract_state, install_state, read_step, storage_spec
-from .job import (MegatronJob, Prepared, RecoveryFailed, Refill, SwitchFailed, SwitchResult,
+from .job import (GlobalState, MegatronJob, Prepared, RecoveryFailed, Refill, SwitchFailed, SwitchResult,
                   parallel_kwargs)
 from .live import LiveSwitcher
 from .rendezvous import Rendezvous, RendezvousTimeout
 
-__all__ = ["STEP_KEY", "LiveSwitcher", "MegatronJob", "Prepared", "RecoveryFailed", "Refill",
+__all__ = ["STEP_KEY", "GlobalState", "LiveSwitcher", "MegatronJob", "Prepared", "RecoveryFailed", "Refill",
            "Rendezvous", "RendezvousTimeout", "SlotSpec", "SwitchFailed", "SwitchResult", "extract_state",
            "install_state", "parallel_kwargs", "read_step", "storage_spec"]

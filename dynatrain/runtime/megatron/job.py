@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ...ir.errors import EXIT_ABORTED, EXIT_BAD_INPUT, DynatrainError
 from ...ir.layout import Layout
@@ -30,6 +30,19 @@ class MegatronJob:
 
 
 Builder = Callable[[LayoutSpec], MegatronJob]  # build a fresh job in the current parallel state
+
+
+class GlobalState(Protocol):
+    """What a job's ``Builder`` changes outside the job it returns (Megatron-LM's ``args``, its
+    micro-batch calculator, RNG streams): ``save`` before a switch, ``restore`` (with what
+    ``save`` returned) when the switch fails, after megatron's parallel state of the source
+    layout is back."""
+
+    def save(self) -> object: ...
+
+    def restore(self, saved: object) -> None: ...
+
+
 Verifier = Callable[[Plan, Layout, Layout], object]  # raises if the plan breaks a rule
 # Plan reading the lost ranges (a planner.lost.LostState) of a checkpoint into one rank of a
 # layout: (checkpoint, layout, rank, lost) -> (the checkpoint's Adam step or None, a function

@@ -98,8 +98,8 @@ from ..executor import SwitchAborted, switch
 from ..headroom import check_switch_headroom, job_cuda_device
 from .bridge import bind_state, extract_state, install_step
 from .check_job import check_job
-from .job import (Builder, MegatronJob, Prepared, Refill, SwitchFailed, SwitchResult, Verifier,
-                  carried, carry_into, parallel_kwargs)
+from .job import (Builder, GlobalState, MegatronJob, Prepared, Refill, SwitchFailed, SwitchResult,
+                  Verifier, carried, carry_into, parallel_kwargs)
 from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
 from .world import WorldSwitch
@@ -149,6 +149,9 @@ class LiveSwitcher:
             ten heartbeats, at least one second).
         refill: plans filling lost state from a checkpoint for ``recover`` (``job.Refill``;
             e.g. built on ``dynatrain.checkpoint.plan_load(..., only=lost)``).
+        global_state: what ``build`` changes outside the job (Megatron-LM's ``args``, its
+            micro-batch calculator, RNG streams): saved before each switch and restored when
+            the switch fails, so the job trains on exactly as before (``job.GlobalState``).
 
     Example:
         >>> sw = LiveSwitcher(spec_a, "node0:gpu3", build, check, rendezvous=rdzv)  # doctest: +SKIP
@@ -163,7 +166,7 @@ class LiveSwitcher:
                  topology: Topology = H100, init_kwargs: dict | None = None,
                  check_transfers: bool = False, heartbeat: float | None = None,
                  stale_after: float | None = None, refill: Refill | None = None,
-                 slices: bool = True) -> None:
+                 slices: bool = True, global_state: GlobalState | None = None) -> None:
         self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
         if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
@@ -175,7 +178,7 @@ class LiveSwitcher:
         self.budget_bytes, self.timeout, self.group = budget_bytes, timeout, group
         self.topology, self.init_kwargs = topology, dict(init_kwargs or {})
         self.check_transfers = check_transfers
-        self.slices = slices
+        self.slices, self.global_state = slices, global_state
         self._cuda_device = job_cuda_device()  # here: the planning thread has its own device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynatrain-plan")
         self._pending: Future[Prepared] | None = None
@@ -398,6 +401,7 @@ class LiveSwitcher:
 
         src_view, dst_view = transition_views(self.layout, prep.dst)
         scheduler = carried(job)
+        saved = self._save_global()
         t.append(time.perf_counter())
         new = dst = failure = None
         try:
@@ -411,7 +415,7 @@ class LiveSwitcher:
         t.append(time.perf_counter())
         if not self._all_built(failure is None):
             new = dst = None
-            self._back_to_source()
+            self._back_to_source(saved)
             where = "this process" if failure is not None else "another process"
             why = f": {type(failure).__name__}: {failure}" if failure is not None else ""
             raise SwitchFailed(f"{self.device}: building the destination failed on {where}"
@@ -424,17 +428,31 @@ class LiveSwitcher:
         except SwitchAborted as err:
             new = dst = None  # free the destination job before going back
             if not err.group_destroyed:
-                self._back_to_source()
+                self._back_to_source(saved)
                 raise SwitchFailed(f"{err}; the job trains on", job) from err
             if self.rendezvous is None or prep.generation is None:
                 raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
                                    "formed again: restart from a checkpoint", None) from err
             world = WorldSwitch(self, prep, self.device, self.rendezvous)
-            world.roll_back(job, scheduler, err)  # raises SwitchFailed with the rebuilt job
+            world.roll_back(job, scheduler, err, saved)  # raises SwitchFailed, rebuilt job
         del src
         t.append(time.perf_counter())
-        install_step(new.optimizer, dst)
-        carry_into(new, scheduler)
+        # Everything that can still fail happens before the commit vote: the source job was
+        # only read, so a failure on any process leaves every process in the source layout.
+        failure = None
+        try:
+            install_step(new.optimizer, dst)
+            carry_into(new, scheduler)
+        except Exception as err:  # noqa: BLE001 — voted below, then raised everywhere
+            failure = err
+        if not self._all_built(failure is None):
+            new = dst = None
+            self._back_to_source(saved)
+            where = "this process" if failure is not None else "another process"
+            why = f": {type(failure).__name__}: {failure}" if failure is not None else ""
+            raise SwitchFailed(f"{self.device}: installing the switched state failed on {where}"
+                               f"{why}; back in the source layout, the job trains on",
+                               job) from failure
         t.append(time.perf_counter())
         self._after(prep, "stayed")
         names = ("agree", "extract", "parallel_state", "build", "exchange", "install")
@@ -451,12 +469,18 @@ class LiveSwitcher:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(int(flag.item()))
 
-    def _back_to_source(self) -> None:
-        """Megatron's parallel state of the source layout again (every process together)."""
+    def _back_to_source(self, saved: object = None) -> None:
+        """Megatron's parallel state of the source layout again (every process together), and
+        what ``global_state`` saved before the switch."""
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(**parallel_kwargs(self.spec), **self.init_kwargs)
+        if self.global_state is not None:
+            self.global_state.restore(saved)
+
+    def _save_global(self) -> object:
+        return self.global_state.save() if self.global_state is not None else None
 
     def _after(self, prep: Prepared, role: str) -> None:
         self._pending = None

@@ -270,6 +270,7 @@ class Recovery:
         from megatron.core import parallel_state as ps
 
         sw, rdzv = self.sw, self.rdzv
+        saved = sw._save_global()
         carry = carried(self.job)
         union = tuple(d for d in process_devices(plan) if d not in failed)
         survivors = tuple(d for d in self.src.devices if d not in failed)
@@ -302,6 +303,8 @@ class Recovery:
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
             rdzv.leave()
+            if sw.global_state is not None:
+                sw.global_state.restore(saved)
             raise self._fail(f"{bad[1]} (on {bad[0]}); every survivor keeps its source state "
                              "(its groups are gone): call recover again", bad[2])
         if union.index(self.me) == 0:

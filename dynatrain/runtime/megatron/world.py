@@ -58,6 +58,7 @@ class WorldSwitch:
         """Take part in the switch: ``job``/``src_store`` on a source process (None on a
         joiner), ``carry`` what the job carries, ``failure`` a planning error of a joiner."""
         ps, prep, g, rdzv = self._ps(), self.prep, self.g, self.rdzv
+        saved = self.sw._save_global()
         seconds: dict[str, float] = {"agree": t[-1] - t[0]} if len(t) > 1 else {}
         mark = [time.perf_counter()]
 
@@ -113,7 +114,7 @@ class WorldSwitch:
                 raise DynatrainError(f"the switch was voted down by {len(bad)} process(es), "
                                      f"e.g. {d}: {why}") from error
         except Exception as err:  # noqa: BLE001 — every failure rolls back
-            self.roll_back(job, carry, err)
+            self.roll_back(job, carry, err, saved)
         if union.index(self.device) == 0:
             rdzv.post(f"done/{g}", {"outcome": "committed"})
         role = ("left" if new is None else "stayed" if self.src_rank is not None else "joined")
@@ -145,15 +146,19 @@ class WorldSwitch:
         lap("install")
         return new
 
-    def roll_back(self, job: MegatronJob | None, carry: dict, cause: BaseException) -> None:
+    def roll_back(self, job: MegatronJob | None, carry: dict, cause: BaseException,
+                  saved: object = None) -> None:
         """Back to the source layout, then raise ``SwitchFailed``: on a source process, form
-        the source's group again and rebuild the job from the old job's intact state."""
+        the source's group again and rebuild the job from the old job's intact state; then
+        what the switcher's ``global_state`` saved before the switch is restored."""
         ps, sw, g = self._ps(), self.sw, self.g
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         self.rdzv.leave()
         what = f"{self.device}: the switch failed ({_why(cause)})"
         if job is None or self.src_rank is None or self.src_spec is None:
+            if sw.global_state is not None:
+                sw.global_state.restore(saved)
             raise SwitchFailed(f"{what}; this process runs no source rank", None) from cause
         try:
             self.rdzv.form(f"g{g}/rollback", self.src.devices, self.device)
@@ -163,6 +168,8 @@ class WorldSwitch:
             state = extract_state(full, self.src_rank, job.model_chunks, job.optimizer)
             install_state(full, self.src_rank, restored.model_chunks, restored.optimizer, state)
             carry_into(restored, carry)
+            if sw.global_state is not None:  # after the rebuild, which set it for the source
+                sw.global_state.restore(saved)
         except Exception as err:  # noqa: BLE001
             raise SwitchFailed(f"{what}, and the source layout could not be formed again "
                                f"({_why(err)}): restart from a checkpoint", None) from cause

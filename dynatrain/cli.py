@@ -514,6 +514,25 @@ def cmd_prove(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_switch(args: argparse.Namespace) -> int:
+    """Ask a running job for a layout through its store; print its answer in one line."""
+    # c10d logs every failed connection attempt with a C++ stack trace: the one line below
+    # says it (read when torch loads, which this import does first).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    from .ir.loader import spec_to_dict
+    from .runtime.megatron.requests import connect, post_request, wait_answer
+
+    if not args.timeout > 0 or not args.connect_timeout > 0:
+        raise DynatrainError("--timeout, --connect-timeout: must be seconds > 0")
+    spec = load_spec(args.dst)
+    Layout(spec)  # a layout that does not compile is refused here, not by the job
+    store = connect(args.store, args.connect_timeout)
+    n = post_request(store, spec_to_dict(spec), source=f"dynatrain switch {args.dst}")
+    got = wait_answer(store, n, args.timeout)
+    print(f"request {n}: {got.outcome}: {got.line}")
+    return got.exit_code
+
+
 BUDGET_HELP = ("staging memory per device, e.g. 2GiB or 512MiB (default 2GiB; a bare number "
                "means bytes); a budget so small that the plan would need over 1024 rounds is "
                "refused with the smallest budget that plans")
@@ -630,6 +649,18 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prove", help="prove with z3 the region arithmetic plans rely on")
     pr.add_argument("lemma", nargs="*", help="lemma names (default: all)")
     pr.set_defaults(func=cmd_prove)
+    sw = sub.add_parser("switch", help="ask a running job (LiveControl) for a new layout through "
+                                       "its store; exit 0 switched, 2 refused (the job trains on "
+                                       "unchanged), 4 failed and rolled back or no answer")
+    sw.add_argument("dst", help="the layout spec to switch to")
+    sw.add_argument("--store", required=True, metavar="HOST:PORT[/PREFIX]",
+                    help="the job's store (under torchrun MASTER_ADDR:MASTER_PORT) and the "
+                         "prefix of its rendezvous (default dynatrain)")
+    sw.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds to wait for the job's answer (default 600)")
+    sw.add_argument("--connect-timeout", type=float, default=10.0,
+                    help="seconds to wait for the store to answer (default 10)")
+    sw.set_defaults(func=cmd_switch)
     return ap
 
 

@@ -568,6 +568,7 @@ class LiveSwitcher:
             return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
         g = self._watch if self._watch is not None else self._first_watch(rdzv)
+        rdzv.post(f"spare/{self.device}", {})  # a switch asked for from outside may take it
         while True:
             doc = rdzv.wait(f"switch/{g}", left(), unless="closed")
             if doc is None:
@@ -593,6 +594,8 @@ class LiveSwitcher:
             result = world.run(None, None, go["carry"], [time.perf_counter()], failure)
             assert prep is not None
             self._after(prep, result.role)
+            if result.role == "joined":
+                rdzv.store.delete_key(f"spare/{self.device}")
             return result
 
     def _first_watch(self, rdzv: Rendezvous) -> int:

@@ -1,0 +1,183 @@
+"""When a running job switches: a schedule given at start, and requests posted from outside
+(``requests.py``), both taken up at iteration boundaries.
+
+``LiveControl.boundary(job)`` is called by every process of the job at every iteration
+boundary. It
+
+1. prepares a scheduled switch ``prepare_ahead`` iterations before it is due (planned and
+   verified in the background while the job trains);
+2. takes up at most one request from the store: rank 0 reads it and refuses at once what cannot
+   run (a spec that does not parse, devices that are neither in the job nor waiting as spares,
+   a switch already under way), then tells every process the request's number in one broadcast
+   of two integers, so all of them act on the same request at the same boundary;
+3. switches when the switch is due: a scheduled one at its iteration, a requested one at the
+   first boundary where every process has its plan ready (an all-reduce of one flag).
+
+It returns the job to train on (``None`` on a process whose device left: it may idle as a spare
+with ``LiveSwitcher.join``); ``last`` holds the last switch's result or failure. Rank 0 answers
+each request: switched (exit 0), refused (2: the job never started it, e.g. a spec of another
+model, refused by the planner) or failed (4: it started and was rolled back; the job trains on
+in its previous layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...ir.errors import EXIT_BAD_INPUT, DynatrainError
+from ...ir.layout import Layout
+from ...ir.loader import spec_from_dict
+from ...ir.spec import LayoutSpec
+from .job import MegatronJob, SwitchFailed, SwitchResult
+from .live import LiveSwitcher
+from .requests import answer
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    spec: LayoutSpec
+    due: int | None  # the scheduled iteration; None: a request, due once every plan is ready
+    request: int | None  # the request's number in the store
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _cause(err: SwitchFailed) -> BaseException:
+    return err.__cause__ if err.__cause__ is not None else err
+
+
+class LiveControl:
+    """Decides, at each iteration boundary, whether and where the job switches.
+
+    Args:
+        switcher: this process's ``LiveSwitcher`` (running a rank of the job).
+        schedule: iteration -> the layout to switch to at that boundary.
+        requests: take up switches posted to the store (needs the switcher's rendezvous).
+        prepare_ahead: plan a scheduled switch this many iterations before it is due.
+    """
+
+    def __init__(self, switcher: LiveSwitcher, *,
+                 schedule: Mapping[int, LayoutSpec] | None = None, requests: bool = True,
+                 prepare_ahead: int = 2) -> None:
+        if requests and switcher.rendezvous is None:
+            raise DynatrainError("requests: taking switches from the store needs a rendezvous")
+        self.sw, self.requests, self.ahead = switcher, requests, max(0, int(prepare_ahead))
+        self.schedule = dict(schedule or {})
+        self.pending: _Pending | None = None
+        self.last: SwitchResult | SwitchFailed | None = None
+        self._handled = 0  # the last request number rank 0 looked at
+
+    # ---- collectives of the job's group ------------------------------------------------------
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        if dist.get_backend(self.sw.group) == "nccl":  # NCCL moves device memory only
+            t = t.to(torch.device("cuda", torch.cuda.current_device()))
+        return t
+
+    def _from_leader(self, values: list[int]) -> list[int]:
+        t = self._tensor(values)
+        group = self.sw.group
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(t, src=src, group=group)
+        return [int(v) for v in t.tolist()]
+
+    def _everyone(self, flag: bool) -> bool:
+        t = self._tensor([1 if flag else 0])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.sw.group)
+        return bool(int(t.item()))
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def _answer(self, n: int | None, outcome: str, line: str, leader: bool) -> None:
+        if n is not None and leader:
+            answer(self.sw.rendezvous.store, n, outcome, line)
+
+    def _look(self) -> tuple[int, int]:
+        """Rank 0: the next request's number (0: none) and whether the job takes it (1)."""
+        rdzv = self.sw.rendezvous
+        if rdzv.count("requests") <= self._handled:
+            return 0, 0
+        self._handled += 1
+        n = self._handled
+        doc = rdzv.read(f"request/{n}")
+        if doc is None:  # numbered, not yet written: look again at the next boundary
+            self._handled -= 1
+            return 0, 0
+        try:
+            refusal = self._refusal(doc)
+        except DynatrainError as err:
+            refusal = _first_line(err)
+        if refusal is not None:
+            answer(rdzv.store, n, "refused", refusal)
+            return n, 0
+        return n, 1
+
+    def _refusal(self, doc: dict) -> str | None:
+        """Why rank 0 refuses a request before any process plans it (None: it does not)."""
+        if self.pending is not None:
+            what = (f"request {self.pending.request}" if self.pending.request is not None
+                    else f"the switch scheduled at iteration {self.pending.due}")
+            return f"a switch is already under way ({what}); ask again when it is done"
+        if not isinstance(doc, dict) or not isinstance(doc.get("dst"), dict):
+            return "request: expected a document with a 'dst' layout spec"
+        dst = Layout(spec_from_dict(doc["dst"]))
+        here = set(self.sw.layout.devices)
+        rdzv = self.sw.rendezvous
+        missing = [d for d in dst.devices if d not in here and not rdzv.has(f"spare/{d}")]
+        if missing:
+            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            return (f"world: the layout needs {len(dst.devices)} devices; "
+                    f"{', '.join(missing[:4])}{more} neither run(s) a rank of the job nor wait(s) "
+                    "as a spare")
+        return None
+
+    # ---- the boundary ------------------------------------------------------------------------
+
+    def boundary(self, job: MegatronJob) -> MegatronJob | None:
+        """Call on every process of the job at every iteration boundary; the job to train on
+        (None: this device left the job)."""
+        it = job.iteration
+        if self.pending is None and (it + self.ahead) in self.schedule:
+            due = it + self.ahead
+            self.pending = _Pending(self.schedule.pop(due), due, None)
+            self.sw.prepare(self.pending.spec)
+        if self.requests:
+            n, take = self._from_leader(list(self._look()) if self.sw.leader else [0, 0])
+            if n and take:
+                doc = self.sw.rendezvous.read(f"request/{n}")
+                self.pending = _Pending(spec_from_dict(doc["dst"]), None, n)
+                self.sw.prepare(self.pending.spec)
+        p = self.pending
+        if p is None:
+            return job
+        if p.due is not None and p.due > it:
+            return job
+        if p.due is None and not self._everyone(self.sw.ready()):
+            return job
+        self.pending = None
+        leader = self.sw.leader  # of the source layout: it answers, whether it stays or not
+        try:
+            result = self.sw.switch(job)
+        except SwitchFailed as err:
+            self.last = err
+            cause = _cause(err)
+            bad_input = isinstance(cause, DynatrainError) and cause.exit_code == EXIT_BAD_INPUT
+            self._answer(p.request, "refused" if bad_input else "failed",
+                         _first_line(cause) if bad_input else _first_line(err), leader)
+            if err.job is None:
+                raise
+            return err.job
+        self.last = result
+        seconds = result.seconds.get("downtime", 0.0)
+        self._answer(p.request, "switched",
+                     f"switched to {p.spec.name} on {len(Layout(p.spec).devices)} devices at "
+                     f"iteration {it}: downtime {seconds:.2f} s", leader)
+        return result.job

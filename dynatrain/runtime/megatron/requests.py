@@ -1,0 +1,108 @@
+"""Switches asked for from outside a running job: an operator or a cluster scheduler posts a
+target layout to the job's store, the job takes it up at an iteration boundary and answers.
+
+The store is the one the job's ``Rendezvous`` uses (under torchrun the agent's TCPStore at
+``MASTER_ADDR:MASTER_PORT``), under the same prefix. Keys (JSON documents, never pickle):
+
+* ``requests``: a counter; a client takes the next number with an atomic add;
+* ``request/<n>``: ``{"dst": <spec document>, "source": "<who asked>"}``;
+* ``answer/<n>``: what became of it, written once by the job's rank 0:
+  ``{"outcome": "switched" | "refused" | "failed", "line": "<one line>", "exit": <status>}``.
+
+Exit statuses (``ir.errors``): switched 0; refused 2 (a spec that does not parse, another model,
+a layout that does not fit the devices, a switch already under way: the job never started it);
+failed 4 (the switch started and was rolled back: the job trains on in its previous layout).
+``dynatrain switch --store HOST:PORT[/prefix] dst.yaml`` is the command-line client.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ...ir.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_OK, DynatrainError
+
+OUTCOME_EXIT = {"switched": EXIT_OK, "refused": EXIT_BAD_INPUT, "failed": EXIT_ABORTED}
+
+
+class StoreUnreachable(DynatrainError):
+    """No store answers at the address given (bad input: exit status 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the job did with a request."""
+
+    number: int
+    outcome: str  # "switched", "refused" or "failed"
+    line: str
+
+    @property
+    def exit_code(self) -> int:
+        return OUTCOME_EXIT[self.outcome]
+
+
+def parse_store_address(text: str) -> tuple[str, int, str]:
+    """``HOST:PORT[/prefix]`` -> (host, port, prefix); the prefix defaults to ``dynatrain``.
+
+    Raises:
+        DynatrainError: one line naming what is wrong (exit status 2).
+    """
+    where, _, prefix = text.partition("/")
+    host, sep, port = where.rpartition(":")
+    if not sep or not host:
+        raise DynatrainError(f"--store: expected HOST:PORT[/prefix] (got {text!r})")
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise DynatrainError(f"--store: the port must be an integer in 1..65535 (got {port!r})")
+    return host, int(port), (prefix.strip("/") or "dynatrain")
+
+
+def connect(address: str, timeout: float) -> dist.Store:
+    """A client connection to the job's store, under its prefix."""
+    host, port, prefix = parse_store_address(address)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, OSError, ValueError) as err:
+        raise StoreUnreachable(f"--store {host}:{port}: no store answered within {timeout:g} s "
+                               f"({type(err).__name__})") from None
+    return dist.PrefixStore(prefix + "/", store)
+
+
+def post_request(store: dist.Store, dst_doc: dict, source: str = "dynatrain switch") -> int:
+    """Post a switch to the layout ``dst_doc`` (a spec document); its request number."""
+    n = int(store.add("requests", 1))
+    store.set(f"request/{n}", json.dumps({"dst": dst_doc, "source": source}, sort_keys=True))
+    return n
+
+
+def wait_answer(store: dist.Store, n: int, timeout: float, poll: float = 0.1) -> Answer:
+    """Wait for the job's answer to request ``n``.
+
+    Raises:
+        DynatrainError: no answer within ``timeout`` seconds (exit status 4: the job did not
+            take the request up; it may still do so).
+    """
+    deadline = time.monotonic() + timeout
+    key = f"answer/{n}"
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            err = DynatrainError(f"request {n}: the job did not answer within {timeout:g} s (it "
+                                 "takes requests up at iteration boundaries; is it training?)")
+            err.exit_code = EXIT_ABORTED
+            raise err
+        time.sleep(poll)
+    doc = json.loads(store.get(key))
+    return Answer(n, str(doc["outcome"]), str(doc["line"]))
+
+
+def answer(store: dist.Store, n: int, outcome: str, line: str) -> None:
+    """Write the job's answer to request ``n`` (the job's rank 0)."""
+    if outcome not in OUTCOME_EXIT:
+        raise ValueError(f"unknown outcome {outcome!r}")
+    store.set(f"answer/{n}", json.dumps({"outcome": outcome, "line": line,
+                                         "exit": OUTCOME_EXIT[outcome]}, sort_keys=True))

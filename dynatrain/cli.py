@@ -529,7 +529,7 @@ def cmd_switch(args: argparse.Namespace) -> int:
     store = connect(args.store, args.connect_timeout)
     n = post_request(store, spec_to_dict(spec), source=f"dynatrain switch {args.dst}")
     got = wait_answer(store, n, args.timeout)
-    print(f"request {n}: {got.outcome}: {got.line}")
+    print(f"request {n}: {got.line}")
     return got.exit_code
 
 

@@ -98,7 +98,9 @@ class LiveControl:
 
     def _answer(self, n: int | None, outcome: str, line: str, leader: bool) -> None:
         if n is not None and leader:
-            answer(self.sw.rendezvous.store, n, outcome, line)
+            what = {"switched": "switched to", "refused": "refused:",
+                    "failed": "failed and rolled back, the job trains on:"}[outcome]
+            answer(self.sw.rendezvous.store, n, outcome, f"{what} {line}")
 
     def _look(self) -> tuple[int, int]:
         """Rank 0: the next request's number (0: none) and whether the job takes it (1)."""
@@ -116,7 +118,7 @@ class LiveControl:
         except DynatrainError as err:
             refusal = _first_line(err)
         if refusal is not None:
-            answer(rdzv.store, n, "refused", refusal)
+            answer(rdzv.store, n, "refused", f"refused: {refusal}")
             return n, 0
         return n, 1
 
@@ -178,6 +180,6 @@ class LiveControl:
         self.last = result
         seconds = result.seconds.get("downtime", 0.0)
         self._answer(p.request, "switched",
-                     f"switched to {p.spec.name} on {len(Layout(p.spec).devices)} devices at "
-                     f"iteration {it}: downtime {seconds:.2f} s", leader)
+                     f"{p.spec.name} on {len(Layout(p.spec).devices)} devices at "
+                     f"iteration {it} (downtime {seconds:.2f} s)", leader)
         return result.job

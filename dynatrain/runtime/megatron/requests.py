@@ -7,7 +7,9 @@ The store is the one the job's ``Rendezvous`` uses (under torchrun the agent's T
 * ``requests``: a counter; a client takes the next number with an atomic add;
 * ``request/<n>``: ``{"dst": <spec document>, "source": "<who asked>"}``;
 * ``answer/<n>``: what became of it, written once by the job's rank 0:
-  ``{"outcome": "switched" | "refused" | "failed", "line": "<one line>", "exit": <status>}``.
+  ``{"outcome": "switched" | "refused" | "failed", "line": "<one line>", "exit": <status>}``,
+  the line starting with what happened ("switched to ...", "refused: ...", "failed and rolled
+  back, ...").
 
 Exit statuses (``ir.errors``): switched 0; refused 2 (a spec that does not parse, another model,
 a layout that does not fit the devices, a switch already under way: the job never started it);

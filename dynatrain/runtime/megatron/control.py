@@ -146,9 +146,15 @@ class LiveControl:
     def boundary(self, job: MegatronJob) -> MegatronJob | None:
         """Call on every process of the job at every iteration boundary; the job to train on
         (None: this device left the job)."""
-        it = job.iteration
-        if self.pending is None and (it + self.ahead) in self.schedule:
-            due = it + self.ahead
+        return self.switch(job) if self.due(job.iteration) else job
+
+    def due(self, iteration: int) -> bool:
+        """Whether the job switches at the boundary before ``iteration`` (every process of
+        the job calls it there, in step: it prepares switches and takes up requests). A
+        training loop that cannot stop at every boundary (Megatron-LM's ``train``) calls it
+        after each step and ends its segment when it says so, then calls ``switch``."""
+        if self.pending is None and (iteration + self.ahead) in self.schedule:
+            due = iteration + self.ahead
             self.pending = _Pending(self.schedule.pop(due), due, None)
             self.sw.prepare(self.pending.spec)
         if self.requests:
@@ -159,11 +165,17 @@ class LiveControl:
                 self.sw.prepare(self.pending.spec)
         p = self.pending
         if p is None:
-            return job
-        if p.due is not None and p.due > it:
-            return job
-        if p.due is None and not self._everyone(self.sw.ready()):
-            return job
+            return False
+        if p.due is not None:
+            return p.due <= iteration
+        return self._everyone(self.sw.ready())
+
+    def switch(self, job: MegatronJob) -> MegatronJob | None:
+        """Run the switch ``due`` said is due; the job to train on (None: this device left)."""
+        p = self.pending
+        if p is None:
+            raise DynatrainError("switch(): no switch is due (call due() first)")
+        it = job.iteration
         self.pending = None
         leader = self.sw.leader  # of the source layout: it answers, whether it stays or not
         try:

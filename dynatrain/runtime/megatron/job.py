@@ -27,6 +27,9 @@ class MegatronJob:
     scheduler: Any = None  # megatron's OptimizerParamScheduler (state_dict/load_state_dict)
     iteration: int = 0
     consumed_samples: int = 0
+    # More counters the training loop carries across a switch (JSON values: e.g. Megatron-LM's
+    # num_floating_point_operations_so_far, consumed_valid_samples).
+    extra: dict = field(default_factory=dict)
 
 
 Builder = Callable[[LayoutSpec], MegatronJob]  # build a fresh job in the current parallel state
@@ -133,7 +136,8 @@ def parallel_kwargs(spec: LayoutSpec) -> dict:
 def carried(job: MegatronJob) -> dict:
     """What a switch carries besides the state: iteration, samples, the scheduler (JSON)."""
     return {"iteration": job.iteration, "consumed_samples": job.consumed_samples,
-            "scheduler": job.scheduler.state_dict() if job.scheduler is not None else None}
+            "scheduler": job.scheduler.state_dict() if job.scheduler is not None else None,
+            "extra": dict(job.extra)}
 
 
 def carry_into(job: MegatronJob, carry: dict) -> None:
@@ -144,3 +148,4 @@ def carry_into(job: MegatronJob, carry: dict) -> None:
         job.scheduler.load_state_dict(carry["scheduler"])
     job.iteration = int(carry["iteration"])
     job.consumed_samples = int(carry["consumed_samples"])
+    job.extra = dict(carry.get("extra") or {})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from dynatrain.cli import build_parser
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("shown_outputs", ROOT / "tools" / "shown_outputs.py")
 shown = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = shown  # dataclasses look their module up there
 _spec.loader.exec_module(shown)
 
 BLOCKS = [b for page in shown.pages() for b in shown.blocks(page)]

@@ -1,4 +1,4 @@
-"""The public Python API: the README's example runs, and it checks what the CLI checks."""
+"""The public Python API: the example in docs/cli.md runs, and it checks what the CLI checks."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ SRC, DST = "specs/llama3.1-70b/tp8-pp4-dp4.yaml", "specs/llama3.1-70b/tp8-pp8-dp
 
 
 def readme_example() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     section = text[text.index("## Python API"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
@@ -31,7 +31,7 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys) -> None:
     for spec in (TINY_SRC, TINY_DST):  # the example names shipped specs relative to the repo
         (tmp_path / spec).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / spec).write_text((ROOT / spec).read_text())
-    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 — our own README
+    exec(compile(code, "docs/cli.md", "exec"), {})  # noqa: S102 — our own docs
     out = capsys.readouterr().out
     assert out.startswith("tiny-gpt") and "moved" in out
     assert json.loads((tmp_path / "tiny-plan.json").read_text())["format"] == "dynatrain.plan/3"

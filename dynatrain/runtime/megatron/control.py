@@ -105,6 +105,9 @@ class LiveControl:
     def _look(self) -> tuple[int, int]:
         """Rank 0: the next request's number (0: none) and whether the job takes it (1)."""
         rdzv = self.sw.rendezvous
+        # Requests answered already (e.g. before this process became rank 0) are passed over.
+        while rdzv.count("requests") > self._handled and rdzv.has(f"answer/{self._handled + 1}"):
+            self._handled += 1
         if rdzv.count("requests") <= self._handled:
             return 0, 0
         self._handled += 1

@@ -330,7 +330,7 @@ def untiled(fault: Fault, boxes: list[Box], what: str) -> str:
         return (f"element {list(fault.point)} is in two {what}s (at {at[0]} and {at[1]}: "
                 "a duplicate)")
     if fault.what == "empty":
-        return f"the {what} at {at[0]} is empty"
+        return f"the {what} at {at[0]} is empty or inverted (a size below one)"
     return f"the {what} at {at[0]} sticks out at element {list(fault.point)}"
 
 

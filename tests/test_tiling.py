@@ -1,4 +1,4 @@
-"""The verifier's exact tiling check (``verify.tiling``) against a numpy count grid, and on the
+"""The verifier's exact tiling check (``ir.tiling``) against a numpy count grid, and on the
 hostile shapes that made the old sweep quadratic and its gap search a dense grid.
 
 The oracle counts, for every point of the anchor, how many boxes hold it; the check must say
@@ -13,8 +13,8 @@ import numpy as np
 from hypothesis import given
 
 from dynatrain.ir.box import Box
-from dynatrain.verify.tiling import (RUNS_PER_BOX, Fault, _chain_of_runs, inside,
-                                     tiling_fault, well_formed)
+from dynatrain.ir.tiling import (RUNS_PER_BOX, Fault, _chain_of_runs, inside,
+                                 tiling_fault, well_formed)
 
 
 def _holds(b: Box, p: tuple[int, ...]) -> bool:

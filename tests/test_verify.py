@@ -24,7 +24,7 @@ from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Message, Round
 from dynatrain.verify.check import check, verify
 from dynatrain.verify.report import VerificationError
-from dynatrain.verify.tiling import tiling_fault
+from dynatrain.ir.tiling import tiling_fault
 from test_plan_simulate import DENSE, MOE, spec
 
 

@@ -7,7 +7,8 @@ destination device: ``CheckpointLoad.summary``, ``format_load``); ``checkpoint_l
 says what a checkpoint holds; ``load_checkpoint_into`` loads a live megatron-core rank;
 ``plan_load(only=)`` fills just what devices lost. Anything unreadable (missing, truncated,
 of another model, of an unknown format version, metadata that would unpickle a class outside
-the allow-list) is one ``CheckpointError`` line, exit status 2.
+the allow-list, chunks that do not tile a tensor exactly, a file linked out of the directory)
+is one ``CheckpointError`` line, exit status 2.
 """
 
 from .format import Checkpoint, CheckpointError, open_checkpoint

@@ -23,9 +23,14 @@
 
 ``open_checkpoint`` checks all of it before anything is read into a destination: a directory
 that is missing, of an unknown format version, whose metadata does not unpickle under the
-allow-list, or whose chunk files are missing or shorter than the metadata says (the
-``common_state`` entry's file included) is refused with one ``CheckpointError`` line (exit
-status 2).
+allow-list, whose chunks do not tile each tensor exactly (every element in exactly one chunk:
+``ir.tiling``, never a count of elements, where a duplicated chunk and a hole cancel out), or
+whose chunk files are missing or shorter than the metadata says (the ``common_state`` entry's
+file included) is refused with one ``CheckpointError`` line (exit status 2).
+
+Links: the directory itself may be a link (it is resolved once, ``Checkpoint.root``), and so
+may its members, as long as they resolve inside it. A member that resolves outside (a chunk
+file linked to ``/etc/passwd``) is refused before it is opened, every time a file is opened.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 
 from ..ir.box import Box
 from ..ir.errors import DynatrainError
+from ..ir.tiling import Fault, tiling_fault
 
 FORMATS = {("torch_dist", 1)}  # (sharded_backend, sharded_backend_version) read here
 COMMON_FORMATS = {("torch", 1)}  # (common_backend, common_backend_version): common.pt
@@ -124,12 +130,21 @@ class CkptTensor:
 class Checkpoint:
     """What ``open_checkpoint`` read: tensors by checkpoint key, chunk files and their sizes."""
 
-    path: str
+    path: str  # as given (messages name it)
     tensors: dict[str, CkptTensor]
     files: dict[str, int]  # chunk file -> size in bytes
     format: tuple[str, int]
     common_state: Blob | None = None  # the common_state entry; None: common.pt holds it
     _common: dict | None = field(default=None, repr=False)
+    root: str = ""  # the directory resolved (links followed once); "": resolved from ``path``
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            self.root = os.path.realpath(self.path)
+
+    def member(self, name: str) -> str:
+        """The path of file ``name`` of the checkpoint, refused if it resolves outside it."""
+        return member(self.path, self.root, name)
 
     @property
     def common_name(self) -> str:
@@ -139,8 +154,8 @@ class Checkpoint:
     def common(self) -> dict:
         """The non-sharded state (plain data: ``torch.load(weights_only=True)``), read once."""
         if self._common is None:
-            self._common = (_read_common(self.path) if self.common_state is None else
-                            _read_common_state(self.path, self.common_state))
+            self._common = (_read_common(self.path, self.root) if self.common_state is None
+                            else _read_common_state(self.path, self.root, self.common_state))
         return self._common
 
     @property
@@ -153,26 +168,42 @@ def _fail(path: str, what: str) -> CheckpointError:
     return CheckpointError(f"checkpoint {path}: {what}")
 
 
+def member(path: str, root: str, name: str) -> str:
+    """``name`` inside checkpoint directory ``root`` (resolved), links followed; ``path``
+    names the checkpoint in messages.
+
+    Raises:
+        CheckpointError: ``name`` resolves outside ``root`` (a link out of the checkpoint).
+    """
+    real = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([root, real]) != root:
+        raise _fail(path, f"{name} is a link to {real}, outside the checkpoint directory "
+                          "(refused: a checkpoint's files must be inside it)")
+    return real
+
+
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read and check a torch_dist checkpoint's metadata (no tensor data is read).
 
     Raises:
         CheckpointError: the directory is missing, of an unknown format or version, its
-            metadata refuses to unpickle or is malformed, or a chunk file is missing or shorter
-            than its chunks need.
+            metadata refuses to unpickle or is malformed, a tensor's chunks do not tile it
+            exactly, a file it names is a link out of the directory, or a chunk file is
+            missing or shorter than its chunks need.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise _fail(path, "no such directory")
-    fmt, common_pt = _read_format(path)
-    md = _read_metadata(path)
+    root = os.path.realpath(path)  # once: a checkpoint directory may itself be a link
+    fmt, common_pt = _read_format(path, root)
+    md = _read_metadata(path, root)
     tensors, files = _index(path, md)
     blob = None
     if not common_pt:
         blob = _common_state_entry(path, md)
         files[blob.file] = max(files.get(blob.file, 0), blob.offset + blob.length)
     for name, need in files.items():
-        full = os.path.join(path, name)
+        full = member(path, root, name)
         if not os.path.isfile(full):
             raise _fail(path, f"chunk file {name} is missing")
         size = os.path.getsize(full)
@@ -180,12 +211,12 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             raise _fail(path, f"chunk file {name} is truncated: {size} bytes, its chunks need "
                               f"{need}")
         files[name] = size
-    return Checkpoint(path, tensors, files, fmt, blob)
+    return Checkpoint(path, tensors, files, fmt, blob, root=root)
 
 
-def _read_format(path: str) -> tuple[tuple[str, int], bool]:
+def _read_format(path: str, root: str) -> tuple[tuple[str, int], bool]:
     """(sharded format, whether the common state is ``common.pt``)."""
-    meta = os.path.join(path, "metadata.json")
+    meta = member(path, root, "metadata.json")
     if not os.path.isfile(meta):
         raise _fail(path, "no metadata.json (not a megatron dist checkpoint)")
     try:
@@ -202,7 +233,7 @@ def _read_format(path: str) -> tuple[tuple[str, int], bool]:
     if "common_backend" not in doc and "common_backend_version" not in doc:
         # megatron-core >= 0.19: no common backend; the common state is the common_state entry,
         # unless a legacy common.pt is there, which megatron reads first (serialization.py:224).
-        return fmt, os.path.isfile(os.path.join(path, COMMON_PT))  # type: ignore[return-value]
+        return fmt, os.path.isfile(member(path, root, COMMON_PT))  # type: ignore[return-value]
     common = (doc.get("common_backend"), doc.get("common_backend_version"))
     if common not in COMMON_FORMATS:
         raise _fail(path, f"common format {common[0]!r} version {common[1]!r} is not one "
@@ -210,10 +241,10 @@ def _read_format(path: str) -> tuple[tuple[str, int], bool]:
     return fmt, True  # type: ignore[return-value]
 
 
-def _read_metadata(path: str):
+def _read_metadata(path: str, root: str):
     from torch.distributed.checkpoint.metadata import Metadata
 
-    meta = os.path.join(path, ".metadata")
+    meta = member(path, root, ".metadata")
     if not os.path.isfile(meta):
         raise _fail(path, "no .metadata file (the checkpoint was not finished)")
     with open(meta, "rb") as f:
@@ -258,7 +289,6 @@ def _index(path: str, md) -> tuple[dict[str, CkptTensor], dict[str, int]]:
         if not isinstance(dtype, torch.dtype):
             raise _fail(path, f"{key}: dtype {dtype!r} is not a torch dtype")
         chunks = []
-        volume = 0
         for c in tmd.chunks:
             off, size = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
             box = Box.of(off, size)
@@ -281,11 +311,27 @@ def _index(path: str, md) -> tuple[dict[str, CkptTensor], dict[str, int]]:
                 raise _fail(path, f"{key}: chunk at {list(off)} has a bad byte range")
             files[name] = max(files.get(name, 0), info.offset + info.length)
             chunks.append(Chunk(box, name, int(info.offset), int(info.length)))
-            volume += box.numel
-        if volume != math.prod(shape):
-            raise _fail(path, f"{key}: its chunks hold {volume} elements of {math.prod(shape)}")
+        if math.prod(shape):  # (an empty tensor has nothing to cover, and its chunks are empty)
+            whole = Box((0,) * len(shape), shape)
+            fault = tiling_fault(whole, [c.box for c in chunks])
+            if fault is not None:
+                raise _fail(path, f"{key}: its chunks do not tile the tensor {list(shape)}: "
+                                  f"{untiled(fault, [c.box for c in chunks], 'chunk')}")
         tensors[key] = CkptTensor(key, dtype, shape, tuple(chunks))
     return tensors, files
+
+
+def untiled(fault: Fault, boxes: list[Box], what: str) -> str:
+    """Why ``boxes`` (``what``s: chunks, pieces) do not tile: the fault's witness in words."""
+    at = [list(boxes[i].lo) for i in fault.boxes]
+    if fault.what == "missing":
+        return f"element {list(fault.point)} is in no {what}"
+    if fault.what == "twice":
+        return (f"element {list(fault.point)} is in two {what}s (at {at[0]} and {at[1]}: "
+                "a duplicate)")
+    if fault.what == "empty":
+        return f"the {what} at {at[0]} is empty or inverted (a size below one)"
+    return f"the {what} at {at[0]} sticks out at element {list(fault.point)}"
 
 
 def _common_state_entry(path: str, md) -> Blob:
@@ -323,8 +369,8 @@ def _load_plain(path: str, what: str, source) -> object:
         raise _fail(path, f"{what} {why}") from None
 
 
-def _read_common(path: str) -> dict:
-    full = os.path.join(path, COMMON_PT)
+def _read_common(path: str, root: str) -> dict:
+    full = member(path, root, COMMON_PT)
     if not os.path.isfile(full):
         raise _fail(path, "no common.pt (the checkpoint was not finished)")
     common = _load_plain(path, COMMON_PT, full)
@@ -333,9 +379,9 @@ def _read_common(path: str) -> dict:
     return common
 
 
-def _read_common_state(path: str, blob: Blob) -> dict:
+def _read_common_state(path: str, root: str, blob: Blob) -> dict:
     """megatron-core >= 0.19's common state: ``[common]`` saved as the common_state entry."""
-    with open(os.path.join(path, blob.file), "rb") as f:
+    with open(member(path, root, blob.file), "rb") as f:
         f.seek(blob.offset)
         data = f.read(blob.length)
     if len(data) != blob.length:
@@ -352,10 +398,11 @@ def read_chunk(ckpt: Checkpoint, key: str, chunk: Chunk) -> torch.Tensor:
     """One chunk's tensor (a fresh CPU tensor of the chunk's shape and the key's dtype).
 
     Raises:
-        CheckpointError: the bytes do not hold a tensor of that dtype and shape.
+        CheckpointError: the bytes do not hold a tensor of that dtype and shape, or the
+            chunk file is now a link out of the checkpoint.
     """
     t = ckpt.tensors[key]
-    with open(os.path.join(ckpt.path, chunk.file), "rb") as f:
+    with open(ckpt.member(chunk.file), "rb") as f:
         f.seek(chunk.offset)
         data = f.read(chunk.length)
     if len(data) != chunk.length:

@@ -34,9 +34,11 @@ from ..ir.box import Box
 from ..ir.layout import Layout
 from ..ir.slots import Slot
 from ..ir.state import StateView, view_of
+from ..ir.tiling import tiling_fault
 from ..ir.units import format_bytes, parse_bytes
+from ..planner.lost import disjoint_union
 from ..runtime.storage import Storage, allocate, region, torch_dtype, within
-from .format import Checkpoint, CheckpointError, Chunk, open_checkpoint, read_chunk
+from .format import Checkpoint, CheckpointError, Chunk, open_checkpoint, read_chunk, untiled
 
 PREFIXES: dict[str, tuple[str, ...]] = {
     "main_param": ("optimizer.state.param.", "optimizer.state.fp32_param."),
@@ -235,7 +237,8 @@ def read_step(ckpt: Checkpoint) -> int:
 
 
 class _ChunkIndex:
-    """The chunks of one checkpoint key, found by their dim-0 range (chunks tile the tensor)."""
+    """The chunks of one checkpoint key, found by their dim-0 range (any chunk meeting a box
+    is among those returned; whether they tile it is ``plan_load``'s check)."""
 
     def __init__(self, chunks: tuple[Chunk, ...]) -> None:
         self.chunks = chunks
@@ -260,7 +263,8 @@ class _ChunkIndex:
 
 
 def _wanted(only) -> dict[tuple[str, str], list[Box]] | None:
-    """``only`` as boxes per logical tensor: a ``LostState`` (its entries) or (key, kind, box)."""
+    """``only`` as disjoint boxes per logical tensor: a ``LostState`` (its entries) or (key,
+    kind, box) triples, which may repeat and overlap (each element is still written once)."""
     if only is None:
         return None
     out: dict[tuple[str, str], list[Box]] = defaultdict(list)
@@ -271,7 +275,7 @@ def _wanted(only) -> dict[tuple[str, str], list[Box]] | None:
     else:
         for key, kind, box in only:
             out[(key, kind)].append(box)
-    return out
+    return {k: disjoint_union(v) for k, v in out.items()}
 
 
 def plan_load(ckpt: Checkpoint | str | os.PathLike[str], layout: Layout,
@@ -286,7 +290,8 @@ def plan_load(ckpt: Checkpoint | str | os.PathLike[str], layout: Layout,
 
     Raises:
         CheckpointError: anything ``open_checkpoint`` or ``match`` refuses, a destination rank
-            out of range, or a destination region the checkpoint's chunks do not cover.
+            out of range, or a destination region the checkpoint's chunks do not tile exactly
+            (a part in no chunk, or in two).
     """
     if not isinstance(ckpt, Checkpoint):
         ckpt = open_checkpoint(ckpt)
@@ -315,16 +320,22 @@ def plan_load(ckpt: Checkpoint | str | os.PathLike[str], layout: Layout,
                 targets = [b for w in wanted.get((reg.key, reg.kind), ())
                            if (b := reg.box & w) is not None]
             for target in targets:
-                covered = 0
+                cuts: list[tuple[int, Box]] = []
                 for ci in idx.meeting(target):
                     b = target & idx.chunks[ci].box
                     if b is not None:
-                        pieces[(ck, ci)].append(Piece(rank, reg.kind, reg.slot, reg.box, b))
-                        covered += b.numel
-                if covered != target.numel:
-                    raise CheckpointError(f"checkpoint {ckpt.path}: its chunks of {ck} cover "
-                                          f"{covered} of the {target.numel} elements of {target}"
-                                          f" that destination rank {rank} holds")
+                        cuts.append((ci, b))
+                # Exact tiling, not a count of elements (a duplicate and a hole cancel out).
+                # ``open_checkpoint`` proved the chunks tile each tensor; a ``Checkpoint`` built
+                # by other code is held to the same here, before anything is read.
+                fault = tiling_fault(target, [b for _, b in cuts])
+                if fault is not None:
+                    raise CheckpointError(
+                        f"checkpoint {ckpt.path}: its chunks of {ck} do not tile {target}, "
+                        f"which destination rank {rank} holds: "
+                        f"{untiled(fault, [idx.chunks[ci].box for ci, _ in cuts], 'chunk')}")
+                for ci, b in cuts:
+                    pieces[(ck, ci)].append(Piece(rank, reg.kind, reg.slot, reg.box, b))
     order = sorted(pieces, key=lambda ck: (ckpt.tensors[ck[0]].chunks[ck[1]].file,
                                            ckpt.tensors[ck[0]].chunks[ck[1]].offset))
     return CheckpointLoad(ckpt, layout, view, ranks, keys, step, {ck: pieces[ck] for ck in order})

@@ -22,6 +22,7 @@ from ..ir.box import Box, new_box
 from ..ir.errors import DynatrainError
 from ..ir.slots import Slot
 from ..ir.state import StateView, Stored
+from ..ir.tiling import tiling_fault
 from .lost import subtract
 
 
@@ -175,7 +176,7 @@ def build_index(view: StateView, primary: bool = True
 
 def intersect(src: StateView, dst: StateView, derived: tuple[str, ...] = (),
               failed: frozenset[int] = frozenset()) -> Intersection:
-    """Cut every destination box by the source boxes; raise if anything is not covered.
+    """Cut every destination box by the source boxes; raise if they do not tile it exactly.
 
     Kinds in ``derived`` are rebuilt by the destination itself and are not asked for.
     Source ranks in ``failed`` hold nothing: parts only they hold are taken from a tied copy
@@ -219,10 +220,20 @@ def _answer(part: tuple[Stored, ...], index: dict[tuple[str, tuple[str, ...]], _
             by_group[g].append(k)
         for g, sub in by_group.items():
             parts = index[(s.key, g)].query(s.box)
-            covered = sum(p.numel for p, _ in parts)
-            if covered != s.box.numel:
-                raise PlanError(f"{s.key} {s.box} [{','.join(sub)}] on rank {rank}: the source "
-                                f"layout holds {covered} of its {s.box.numel} elements")
+            # Exact tiling, not a count of elements: source boxes that overlap (a part held
+            # twice) and a hole would cancel out in a count, and the plan would write the
+            # overlap twice and the hole never. One part that is the box: the common case.
+            if not (len(parts) == 1 and parts[0][0] == s.box):
+                fault = tiling_fault(s.box, [p for p, _ in parts])
+                if fault is not None:
+                    where = list(fault.point)
+                    boxes = " and ".join(str(parts[i][0]) for i in fault.boxes)
+                    why = (f"element {where} is held by no source rank"
+                           if fault.what == "missing" else
+                           f"element {where} is in two different source boxes ({boxes})"
+                           if fault.what == "twice" else f"a part ({boxes}) is {fault.what}")
+                    raise PlanError(f"{s.key} {s.box} [{','.join(sub)}] on rank {rank}: the "
+                                    f"source layout does not tile it: {why}")
             out.append(Answer(s, tuple(sub), tuple(parts)))
     return tuple(out)
 

@@ -113,15 +113,26 @@ class LostState:
         """The report ``to_json`` wrote.
 
         Raises:
-            DynatrainError: ``doc`` is not such a report (one line naming the field).
+            DynatrainError: ``doc`` is not such a report, or an entry's boxes overlap (its
+                elements, bytes and any refill from it would count the overlap twice): one
+                line naming the field.
         """
         try:
             entries = tuple(LostEntry(str(t["key"]), str(t["kind"]),
                                       tuple(parse_box(b) for b in t["boxes"]), int(t["bytes"]))
                             for t in doc["tensors"])
-            return cls(entries, tuple(str(d) for d in doc.get("failed", ())))
+            lost = cls(entries, tuple(str(d) for d in doc.get("failed", ())))
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise DynatrainError(f"summary.lost: not a lost-state report ({e!r})") from None
+        for e in lost.entries:
+            if len({len(b.lo) for b in e.boxes}) > 1:
+                raise DynatrainError(f"summary.lost: {e.key} [{e.kind}]: its boxes differ in "
+                                     "their number of dimensions")
+            pair = first_overlap(e.boxes)
+            if pair is not None:
+                raise DynatrainError(f"summary.lost: {e.key} [{e.kind}]: boxes {pair[0]} and "
+                                     f"{pair[1]} overlap (a lost report's boxes are disjoint)")
+        return lost
 
 
 def parse_box(text: str) -> Box:
@@ -192,6 +203,22 @@ def subtract(a: Box, b: Box) -> list[Box]:
             out.append(Box(tuple(lo[:d] + [cut.hi[d]] + lo[d + 1:]), tuple(hi)))
             hi[d] = cut.hi[d]
     return out
+
+
+def first_overlap(boxes: Iterable[Box]) -> tuple[Box, Box] | None:
+    """Two of ``boxes`` (of one rank) that share an element, or None if they are pairwise
+    disjoint. A sweep along dim 0: only boxes reaching past one's start there can meet it."""
+    ordered = sorted(boxes)
+    if len(ordered) > 1 and not ordered[0].lo:  # scalars: any two are the same element
+        return ordered[0], ordered[1]
+    active: list[Box] = []
+    for b in ordered:  # lo[0] never decreases
+        active = [a for a in active if a.hi[0] > b.lo[0]]
+        for a in active:
+            if a.meets(b):
+                return a, b
+        active.append(b)
+    return None
 
 
 def disjoint_union(boxes: Iterable[Box]) -> list[Box]:

@@ -20,7 +20,7 @@ from ..planner.lost import LostState
 from ..planner.plan import Message, Plan, Transfer
 from ..planner.sums import sum_by_index
 from .report import Violation
-from .tiling import inside, outside_point, tiling_fault, well_formed
+from ..ir.tiling import inside, outside_point, tiling_fault, well_formed
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "int64": 8}
 

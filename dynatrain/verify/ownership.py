@@ -13,7 +13,7 @@ from ..ir.box import Box
 from ..ir.state import StateView
 from .data import Emit, expert_keys
 from .report import Violation
-from .tiling import tiling_fault
+from ..ir.tiling import tiling_fault
 
 
 def check_expert_ownership(view: StateView, devices: tuple[str, ...], emit: Emit) -> int:

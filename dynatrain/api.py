@@ -16,7 +16,6 @@ need torch and are imported only when used.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from .ir.errors import DynatrainError
 from .ir.layout import Layout
 from .ir.loader import load_spec, spec_from_dict, spec_to_dict
 from .ir.spec import LayoutSpec
+from .ir.strict import DuplicateKeyError, json_loads
 from .ir.units import parse_bytes
 from .planner.cost import Topology, load_topology, predicted_downtime
 from .planner.pipeline import plan_transition
@@ -165,7 +165,9 @@ def load_plan(path: str | os.PathLike[str], *, src: Any = None, dst: Any = None,
     if len(data) > MAX_PLAN_BYTES:
         raise DynatrainError(f"{name}: a plan file must be at most {MAX_PLAN_BYTES} bytes")
     try:
-        doc = json.loads(data)
+        doc = json_loads(data)
+    except DuplicateKeyError as err:
+        raise DynatrainError(f"{name}: {err}") from None
     except (ValueError, RecursionError) as err:
         raise DynatrainError(f"{name}: not JSON ({str(err).splitlines()[0][:80]})") from None
     p = plan_from_json(doc)

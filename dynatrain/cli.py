@@ -22,6 +22,7 @@ from .ir.errors import EXIT_BAD_INPUT, DynatrainError
 from .ir.facts import rank_facts
 from .ir.layout import Layout
 from .ir.loader import load_spec
+from .ir.strict import DuplicateKeyError, json_load
 from .ir.summary import bytes_by_kind, format_count, largest_tensors, logical_parameter_count
 from .ir.units import format_bytes, parse_bytes
 from .report.summary import plural
@@ -164,7 +165,9 @@ def cmd_spec(args: argparse.Namespace) -> int:
     path = args.from_args or args.from_hf
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = json_load(f)
+    except DuplicateKeyError as err:
+        raise SpecError(path, str(err)) from None
     except OSError as err:
         raise DynatrainError(f"{path}: cannot read ({err.strerror or err})") from None
     except (ValueError, RecursionError) as err:

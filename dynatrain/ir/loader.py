@@ -1,8 +1,9 @@
 """Read a layout spec from YAML text or a file into a validated ``LayoutSpec``.
 
-Only PyYAML's ``SafeLoader`` is used, the loader behind ``yaml.safe_load``: YAML tags that
-construct objects (``!!python/object/apply:...``) are refused, and named as such, since specs
-are plain data. Documents that would take far longer to build than to read
+Only PyYAML's ``SafeLoader`` is used, the loader behind ``yaml.safe_load`` (as
+``strict.StrictSafeLoader``, which also refuses a key written twice in one mapping): YAML tags
+that construct objects (``!!python/object/apply:...``) are refused, and named as such, since
+specs are plain data. Documents that would take far longer to build than to read
 (merge-key bombs, huge numbers) are refused before they are built. Every failure, whatever the
 input, surfaces as a single ``SpecError`` with a one-line message.
 """
@@ -22,6 +23,7 @@ from .errors import SpecError
 from .presets import PRESETS
 from .rules import check_rules
 from .spec import LayoutSpec
+from .strict import DuplicateKeyError, StrictSafeLoader
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_MAPPING_ENTRIES = 1 << 16  # after merge keys; a real spec has a few dozen
@@ -95,7 +97,7 @@ def _safe_load(text: str, origin: str) -> Any:
     sexagesimal int (``1:2:3:...``) is summed in quadratic time. Plain aliases are safe: the
     loader builds each aliased node once and shares it.
     """
-    loader = yaml.SafeLoader(text)
+    loader = StrictSafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:  # an empty document
@@ -103,6 +105,8 @@ def _safe_load(text: str, origin: str) -> Any:
         _refuse_bombs(node, origin)
         try:
             return loader.construct_document(node)
+        except DuplicateKeyError as err:
+            raise SpecError(origin, str(err)) from None
         except yaml.constructor.ConstructorError:
             # Most often a tag the SafeLoader has no constructor for: name it, since the
             # document is valid YAML that we refuse, not text we failed to read.

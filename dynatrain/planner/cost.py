@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..ir.errors import SpecError
+from ..ir.strict import DuplicateKeyError, safe_load
 from .plan import Message, Plan
 from .sources import node_of
 from .sums import sum_by_index
@@ -81,6 +82,9 @@ PRESETS = {"h100": H100, "h800": Topology(name="h800-8xnvlink-8x400g", intra_nod
            "gloo-local": GLOO_LOCAL}
 
 
+MAX_TOPOLOGY_BYTES = 1 << 16  # a topology file holds a dozen numbers
+
+
 def load_topology(source: str) -> Topology:
     """A preset name (``PRESETS``: h100, h800, gloo-local) or a YAML file of Topology's fields.
 
@@ -94,8 +98,20 @@ def load_topology(source: str) -> Topology:
         return PRESETS[source]
     names = ", ".join(PRESETS)
     try:
-        raw = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        with open(source, "rb") as f:  # bounded: /dev/zero or a pipe would never end
+            data = f.read(MAX_TOPOLOGY_BYTES + 1)
+    except (OSError, ValueError):
+        raise SpecError("--topology", f"must be {names} or a readable YAML file",
+                        source) from None
+    if len(data) > MAX_TOPOLOGY_BYTES:
+        raise SpecError("--topology", f"a topology file must be at most {MAX_TOPOLOGY_BYTES} "
+                        "bytes", source)
+    try:
+        raw = safe_load(data.decode("utf-8"))
+    except DuplicateKeyError as err:
+        raise SpecError("--topology", f"{source}: {err}") from None
+    except (ValueError, yaml.YAMLError, RecursionError, LookupError, AttributeError,
+            TypeError):  # what PyYAML's safe constructors raise on malformed scalars
         raise SpecError("--topology", f"must be {names} or a readable YAML file",
                         source) from None
     if not isinstance(raw, dict):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from .ir.errors import DynatrainError
 from .ir.layout import Layout
@@ -96,13 +96,11 @@ def plan(src: Any, dst: Any, *, budget: str | int = DEFAULT_BUDGET,
         VerificationError: the plan breaks a rule (it is never returned).
         DynatrainError: bad input (names the field).
     """
-    from .planner.lost import expand_failed
-
     s, d = load_layout(src), load_layout(dst)
     budget_bytes = parse_bytes(budget, "budget")
     reserve_bytes = _reserve(reserve)
     topo = _topology(topology)
-    gone = expand_failed(failed, s.devices) if failed else frozenset()
+    gone = failed_devices(failed, s) if failed else frozenset()
     p = plan_transition(s, d, budget_bytes, topo, place=place, failed=gone,
                         allow_lost=allow_lost)
     # predicted_seconds stays the wire time the scheduler minimises; downtime adds fixed costs.
@@ -112,6 +110,20 @@ def plan(src: Any, dst: Any, *, budget: str | int = DEFAULT_BUDGET,
     if not report.ok:
         raise VerificationError(report)
     return PlannedSwitch(p, s, d, topo, budget_bytes, reserve_bytes, report)
+
+
+def failed_devices(failed: str | Any, src: Layout) -> frozenset[str]:
+    """The source devices ``failed`` names: text in ``--devices``'s syntax (``node3``,
+    ``node12-15``, ``node0:gpu0-7``; ``ir.devices``) or a list of device and node names."""
+    from .ir.devices import parse_device_list
+    from .planner.lost import expand_failed
+
+    if isinstance(failed, str):
+        w = src.spec.world
+        failed = parse_device_list(failed, "--failed", gpus_per_node=w.gpus_per_node,
+                                   listed=w.devices, max_devices=len(src.devices),
+                                   bound="all the source layout has")
+    return expand_failed(failed, src.devices)
 
 
 def verify_switch(switch: PlannedSwitch, *, topology: str | Topology | None = None,
@@ -138,12 +150,16 @@ def summarize(switch: PlannedSwitch) -> str:
     return "\n".join(summary_lines(switch))
 
 
-def save_plan(switch: PlannedSwitch, path: str | os.PathLike[str]) -> None:
-    """Write the plan as ``dynatrain.plan/3`` JSON with both specs embedded (self-contained)."""
+def save_plan(switch: PlannedSwitch, path: str | os.PathLike[str] | TextIO) -> None:
+    """Write the plan as ``dynatrain.plan/3`` JSON with both specs embedded (self-contained),
+    to a file path or an open text stream (``sys.stdout``)."""
+    specs = (spec_to_dict(switch.src.spec), spec_to_dict(switch.dst.spec, switch.plan.dst_devices))
+    if hasattr(path, "write"):
+        write_plan_json(switch.plan, path, *specs)
+        return
     try:
         with open(path, "w", encoding="utf-8") as f:
-            write_plan_json(switch.plan, f, spec_to_dict(switch.src.spec),
-                            spec_to_dict(switch.dst.spec, switch.plan.dst_devices))
+            write_plan_json(switch.plan, f, *specs)
     except OSError as err:
         raise DynatrainError(f"{os.fspath(path)}: cannot write ({err.strerror or err})") from None
 
@@ -216,9 +232,7 @@ def suggest(src: Any, devices: str | list[str], *, reserve: str | int = 0, top: 
 
 
 def _reserve(reserve: str | int) -> int:
-    if reserve in (0, "0"):
-        return 0
-    return parse_bytes(reserve, "reserve")
+    return parse_bytes(reserve, "reserve", allow_zero=True)
 
 
 def _record(p: Plan, report: VerifyReport) -> None:

@@ -53,6 +53,7 @@ class PlannedSwitch:
     budget_bytes: int
     reserve_bytes: int = 0
     report: VerifyReport | None = field(default=None, compare=False)
+    device: str | None = None  # a saved slice (``plan --device D --json``): D; else None
 
     @property
     def stats(self) -> dict:
@@ -130,6 +131,9 @@ def verify_switch(switch: PlannedSwitch, *, topology: str | Topology | None = No
            budget: str | int | None = None, reserve: str | int | None = None) -> VerifyReport:
     """Verify a plan with the checks ``dynatrain plan`` and ``dynatrain verify`` run: the five
     rules, the staging budget and device memory (state plus staging plus the reserve).
+    A saved slice (``switch.device`` set) gets the checks ``plan --device`` runs: the rules as
+    they concern that device, and its staging within the budget (no device memory check,
+    which needs every device's state).
 
     ``topology``/``budget``/``reserve`` override the switch's own (a budget above the plan's
     declared one is not a way to pass). Returns the report; it does not raise on violations.
@@ -137,6 +141,10 @@ def verify_switch(switch: PlannedSwitch, *, topology: str | Topology | None = No
     topo = switch.topology if topology is None else _topology(topology)
     budget_bytes = switch.budget_bytes if budget is None else parse_bytes(budget, "budget")
     reserve_bytes = switch.reserve_bytes if reserve is None else _reserve(reserve)
+    if switch.device is not None:  # a slice: the checks plan --device ran on it
+        from .verify.slice import verify_slice
+
+        return verify_slice(switch.plan, switch.src, switch.dst, switch.device, budget_bytes)
     report = _verify(switch.plan, switch.src, switch.dst, topo, budget_bytes,
                      reserve_bytes=reserve_bytes)
     _record(switch.plan, report)
@@ -164,10 +172,20 @@ def save_plan(switch: PlannedSwitch, path: str | os.PathLike[str] | TextIO) -> N
         raise DynatrainError(f"{os.fspath(path)}: cannot write ({err.strerror or err})") from None
 
 
+SLICE_FORMAT = "dynatrain.slice/1"  # ``dynatrain plan A B --device D --json``
+_SLICE_KEYS = ("format", "summary", "violations", "plan")
+
+
 def load_plan(path: str | os.PathLike[str], *, src: Any = None, dst: Any = None,
               topology: str | Topology = "h100", budget: str | int | None = None,
               reserve: str | int = 0) -> PlannedSwitch:
     """Read a plan file back, with the specs it embeds (or ``src``/``dst`` given here).
+
+    A saved slice (``dynatrain.slice/1``, one device's part) reads back too, with ``device``
+    set: ``verify_switch`` then checks it as ``plan --device`` did. A given ``src``/``dst``
+    must be a layout of the plan's model and state kinds with as many ranks as the plan's
+    side; else the plan is not about it, and that is refused (bad input), not reported as
+    violations.
 
     The result is not verified: call ``verify_switch`` on it. Raises ``DynatrainError`` (one line)
     on a file that is missing, too large, not JSON or not a well-formed plan.
@@ -186,18 +204,67 @@ def load_plan(path: str | os.PathLike[str], *, src: Any = None, dst: Any = None,
         raise DynatrainError(f"{name}: {err}") from None
     except (ValueError, RecursionError) as err:
         raise DynatrainError(f"{name}: not JSON ({str(err).splitlines()[0][:80]})") from None
+    device = None
+    if isinstance(doc, dict) and doc.get("format") == SLICE_FORMAT:
+        device, doc = _slice_document(doc, name)
     p = plan_from_json(doc)
     layouts = []
-    for side, given in (("src", src), ("dst", dst)):
+    for side, given, devices in (("src", src, p.src_devices), ("dst", dst, p.dst_devices)):
+        embedded = doc.get(f"{side}_spec")
+        if isinstance(embedded, dict):
+            embedded = spec_from_dict(embedded, f"{name}: {side}_spec")
         if given is not None:
-            layouts.append(load_layout(given))
-        elif isinstance(doc.get(f"{side}_spec"), dict):
-            layouts.append(Layout(spec_from_dict(doc[f"{side}_spec"], f"{name}: {side}_spec")))
+            layout = load_layout(given)
+            _same_model(side, layout, embedded, len(devices), given)
+            layouts.append(layout)
+        elif isinstance(embedded, LayoutSpec):
+            layouts.append(Layout(embedded))
         else:
             raise DynatrainError(f"{name}: no {side}_spec in the plan; pass --{side} SPEC")
+    if device is not None and device not in p.src_devices + p.dst_devices:
+        raise DynatrainError(f"{name}: summary.device {device!r} is in neither side of the "
+                             "slice's plan")
     budget_bytes = p.budget_bytes if budget is None else parse_bytes(budget, "budget")
     return PlannedSwitch(p, layouts[0], layouts[1], _topology(topology), budget_bytes,
-                         _reserve(reserve))
+                         _reserve(reserve), device=device)
+
+
+def _slice_document(doc: dict, name: str) -> tuple[str, Any]:
+    """(device, plan document) of a saved slice, its few keys checked."""
+    for k in doc:
+        if k not in _SLICE_KEYS:
+            raise DynatrainError(f"{name}: unknown key {str(k)[:40]!r} in a {SLICE_FORMAT} "
+                                 f"document; the keys are {', '.join(_SLICE_KEYS)}")
+    summary = doc.get("summary")
+    if not isinstance(summary, dict) or not isinstance(summary.get("device"), str):
+        raise DynatrainError(f"{name}: summary.device must name the slice's device (a "
+                             f"{SLICE_FORMAT} document, from plan --device D --json)")
+    if not isinstance(doc.get("plan"), dict):
+        raise DynatrainError(f"{name}: plan must be the slice's plan document (an object)")
+    return summary["device"], doc["plan"]
+
+
+def _same_model(side: str, layout: Layout, embedded: LayoutSpec | None, ranks: int,
+                given: Any) -> None:
+    """Refuse a ``--src``/``--dst`` layout the plan cannot be about, naming what differs."""
+    shown = os.fspath(given) if isinstance(given, (str, os.PathLike)) else "the given layout"
+    if embedded is not None:
+        for section in ("model", "state"):
+            mine, theirs = getattr(layout.spec, section), getattr(embedded, section)
+            for f in type(mine).model_fields:
+                a, b = getattr(mine, f), getattr(theirs, f)
+                if a != b:
+                    raise DynatrainError(
+                        f"--{side}: {shown} is not a layout of the plan's {side} {section}: "
+                        f"{section}.{f} is {_brief(a)}, the plan's is {_brief(b)}")
+    if layout.world != ranks:
+        raise DynatrainError(f"--{side}: {shown} has {layout.world} ranks; the plan's {side} "
+                             f"has {ranks}")
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def run_local(switch: PlannedSwitch, *, seed: int = 0, timeout: float = 60.0,

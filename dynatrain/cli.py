@@ -24,7 +24,7 @@ from .ir.layout import Layout
 from .ir.loader import load_spec
 from .ir.strict import DuplicateKeyError, json_load
 from .ir.summary import bytes_by_kind, format_count, largest_tensors, logical_parameter_count
-from .ir.units import format_bytes, parse_bytes
+from .ir.units import format_bytes, format_seconds, parse_bytes
 from .planner.cost import PRESETS as TOPOLOGY_PRESETS
 from .planner.suggest import MAX_SUGGEST_DEVICES
 from .report.dot import MAX_DOT_MESSAGES
@@ -540,9 +540,11 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
         f"  moved     {format_bytes(moved)} in {plural(len(plan.rounds), 'round')}, "
         f"{plural(st['messages'], 'message')} between devices; "
         f"{format_bytes(st['bytes_local'])} copied locally",
-        f"  time      {seconds:.3f} s (slowest process), {moved / seconds / 1e9:.2f} GB/s "
-        f"achieved; predicted ~{local.total_seconds:.3f} s on gloo-local (wire "
-        f"{local.wire_seconds:.3f} + fixed {local.fixed_seconds:.3f})",
+        f"  time      {format_seconds(seconds)} (slowest process); "
+        f"{moved / seconds / 1e9:.2f} GB/s over all devices (bytes moved between devices over "
+        f"the slowest process's time); predicted ~{format_seconds(local.total_seconds)} on "
+        f"gloo-local (wire {format_seconds(local.wire_seconds)} + fixed "
+        f"{format_seconds(local.fixed_seconds)})",
         f"  staging   peak {format_bytes(peak)} per device (planned "
         f"{format_bytes(st['peak_staging_bytes'])}, budget {format_bytes(budget)})",
         f"  bit-exact: {'no' if errors else 'yes'} ({checked} destination tensors on "

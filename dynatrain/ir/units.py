@@ -73,3 +73,25 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
+
+
+def format_seconds(s: float) -> str:
+    """A duration in the unit that shows it: ``'1.234 s'``, ``'12.3 ms'``, ``'4.6 us'``,
+    ``'0 s'``; below a nanosecond ``'<1 ns'``, and huge ones in scientific notation rather
+    than hundreds of digits."""
+    if s == 0:
+        return "0 s"
+    if not math.isfinite(s):
+        return f"{s} s"
+    a = abs(s)
+    if a >= 1e6:
+        return f"{s:.3g} s"
+    if a >= 1:
+        return f"{s:.3f} s"
+    if a >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    if a >= 1e-6:
+        return f"{s * 1e6:.3g} us"
+    if a >= 1e-9:
+        return f"{s * 1e9:.3g} ns"
+    return "<1 ns"

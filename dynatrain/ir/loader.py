@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import reprlib
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,28 @@ def spec_from_dict(raw: Any, origin: str = "spec") -> LayoutSpec:
     except (RecursionError, ValueError, TypeError, OverflowError) as err:
         raise SpecError(origin, f"cannot be validated ({err.__class__.__name__})") from None
     check_rules(spec)
+    _check_name(spec.name)
     return spec
+
+
+# Unicode categories a name must not hold: controls (Cc: newlines, escapes), format characters
+# (Cf: bidirectional overrides such as U+202E, zero-width joiners), separators other than the
+# space (Zl, Zp), unassigned and private-use code points. A name is printed on terminals and
+# in reports: a right-to-left override would show it reversed, an escape would drive the terminal.
+_BAD_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+MAX_NAME_CHARS = 200
+
+
+def _check_name(name: str | None) -> None:
+    if name is None:
+        return
+    if len(name) > MAX_NAME_CHARS:
+        raise SpecError("name", f"must be at most {MAX_NAME_CHARS} characters", len(name))
+    for i, ch in enumerate(name):
+        if unicodedata.category(ch) in _BAD_NAME_CATEGORIES or (ch.isspace() and ch != " "):
+            raise SpecError("name", f"must be printable text: character {i} is "
+                            f"U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')}); "
+                            "control, bidirectional and other invisible characters are refused")
 
 
 def _resolve_model(model: Any) -> Any:

@@ -203,6 +203,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     print(f"  loaded  {format_bytes(stats.bytes_read)} read in {stats.chunks} chunks, "
           f"{format_bytes(stats.bytes_written)} written into every destination rank's storage "
           f"in {stats.seconds:.2f} s (peak {format_bytes(stats.peak_in_flight)} in flight)")
+    print("  checked only: the loaded storage is discarded and no file is written (a job loads "
+          "the checkpoint itself, as this check did)")
     return 0
 
 
@@ -210,7 +212,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
     from .ir.errors import SpecError
     from .ir.from_job import read_megatron
     from .ir.hf_config import parse_assignments, read_hf_config, spec_from_hf_config
-    from .ir.loader import spec_to_yaml_text
+    from .ir.loader import spec_from_dict, spec_to_dict, spec_to_yaml_text
 
     _check_outputs(args, "--output")
     if (args.from_args is None) == (args.from_hf is None):
@@ -245,6 +247,14 @@ def cmd_spec(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         spec = spec_from_hf_config(doc, parse_assignments(args.parallel, "--parallel"),
                                    parse_assignments(args.world, "--world"), name=args.name)
+        if args.name is None:  # named like the shipped specs: what runs where, and how
+            from .report.summary import grid
+
+            layout = Layout(spec)
+            what = doc.get("_name_or_path") or doc.get("model_type") or "model"
+            what = os.path.basename(str(what).rstrip("/")) or "model"
+            spec = spec_from_dict({**spec_to_dict(spec), "name": f"{what} (HuggingFace config) "
+                                   f"on {plural(layout.world, 'GPU')}, {grid(layout).upper()}"})
     _write(args.output or STDOUT, spec_to_yaml_text(spec), "--output")
     return 0
 
@@ -717,8 +727,10 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--json", metavar="FILE",
                     help="write the ranked layouts with their specs" + STDOUT_HELP)
     su.set_defaults(func=cmd_suggest)
-    lo = sub.add_parser("load", help="load a megatron dist checkpoint (torch_dist) into any "
-                                     "layout, bit for bit")
+    lo = sub.add_parser("load", help="check that a megatron dist checkpoint (torch_dist) loads "
+                                     "into a layout, bit for bit: every destination rank's "
+                                     "storage is filled in memory, then discarded (nothing is "
+                                     "written)")
     lo.add_argument("checkpoint", metavar="CKPT_DIR")
     lo.add_argument("dst", help="destination layout spec")
     lo.add_argument("--budget", default="2GiB",
@@ -732,7 +744,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--parallel", help="with --from-hf: e.g. tp=8,pp=4,ep=8")
     sp.add_argument("--world", help="e.g. nodes=16,gpus_per_node=8 (with --from-args: default "
                                     "the args' world_size on 8 GPUs per node)")
-    sp.add_argument("--name", help="the spec's name")
+    sp.add_argument("--name", help="the spec's name (default: what the arguments or config say "
+                                   "runs where, e.g. 'llama (HuggingFace config) on 8 GPUs, "
+                                   "TP2 PP1 DP4')")
     sp.add_argument("-o", "--output", metavar="FILE",
                     help="write the YAML here (default, or '-': stdout)")
     sp.set_defaults(func=cmd_spec)

@@ -357,6 +357,15 @@ def spec_to_dict(spec: LayoutSpec, devices: tuple[str, ...] | None = None) -> di
 
 
 def spec_to_yaml_text(spec: LayoutSpec, devices: tuple[str, ...] | None = None) -> str:
-    """``spec_to_dict`` as YAML text that ``parse_spec`` reads back to an equal spec."""
-    return yaml.safe_dump(spec_to_dict(spec, devices), sort_keys=False, default_flow_style=None,
-                          width=100)
+    """``spec_to_dict`` as YAML text that ``parse_spec`` reads back to an equal spec.
+
+    A dense model (no ``num_moe_experts``) leaves out the MoE fields still at their defaults:
+    they mean nothing without experts, and reading the text back gives them again.
+    """
+    doc = spec_to_dict(spec, devices)
+    if spec.model.num_moe_experts is None:
+        fields = type(spec.model).model_fields
+        doc["model"] = {k: v for k, v in doc["model"].items()
+                        if not (k.startswith("moe_") and k in fields
+                                and getattr(spec.model, k) == fields[k].default)}
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100)

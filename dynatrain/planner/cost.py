@@ -68,7 +68,7 @@ class Topology(BaseModel):
     switch_fixed_s: float = Field(0.05, ge=0, le=3600)
     # A round posts its few hundred wire pieces as one NCCL group from Python (~5 us each).
     round_fixed_us: float = Field(1000.0, ge=0, le=1e7)
-    memory_GB: float | None = Field(80.0, ge=0.001, le=1e6)
+    memory_GB: float | None = Field(80.0, ge=1e-9, le=1e6)  # from one byte
 
 
 H100 = Topology()

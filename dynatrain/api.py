@@ -16,15 +16,15 @@ need torch and are imported only when used.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from .ir.errors import DynatrainError
 from .ir.layout import Layout
 from .ir.loader import load_spec, spec_from_dict, spec_to_dict
 from .ir.spec import LayoutSpec
+from .ir.strict import DuplicateKeyError, json_loads
 from .ir.units import parse_bytes
 from .planner.cost import Topology, load_topology, predicted_downtime
 from .planner.pipeline import plan_transition
@@ -53,6 +53,7 @@ class PlannedSwitch:
     budget_bytes: int
     reserve_bytes: int = 0
     report: VerifyReport | None = field(default=None, compare=False)
+    device: str | None = None  # a saved slice (``plan --device D --json``): D; else None
 
     @property
     def stats(self) -> dict:
@@ -96,13 +97,11 @@ def plan(src: Any, dst: Any, *, budget: str | int = DEFAULT_BUDGET,
         VerificationError: the plan breaks a rule (it is never returned).
         DynatrainError: bad input (names the field).
     """
-    from .planner.lost import expand_failed
-
     s, d = load_layout(src), load_layout(dst)
     budget_bytes = parse_bytes(budget, "budget")
     reserve_bytes = _reserve(reserve)
     topo = _topology(topology)
-    gone = expand_failed(failed, s.devices) if failed else frozenset()
+    gone = failed_devices(failed, s) if failed else frozenset()
     p = plan_transition(s, d, budget_bytes, topo, place=place, failed=gone,
                         allow_lost=allow_lost)
     # predicted_seconds stays the wire time the scheduler minimises; downtime adds fixed costs.
@@ -114,10 +113,27 @@ def plan(src: Any, dst: Any, *, budget: str | int = DEFAULT_BUDGET,
     return PlannedSwitch(p, s, d, topo, budget_bytes, reserve_bytes, report)
 
 
+def failed_devices(failed: str | Any, src: Layout) -> frozenset[str]:
+    """The source devices ``failed`` names: text in ``--devices``'s syntax (``node3``,
+    ``node12-15``, ``node0:gpu0-7``; ``ir.devices``) or a list of device and node names."""
+    from .ir.devices import parse_device_list
+    from .planner.lost import expand_failed
+
+    if isinstance(failed, str):
+        w = src.spec.world
+        failed = parse_device_list(failed, "--failed", gpus_per_node=w.gpus_per_node,
+                                   listed=w.devices, max_devices=len(src.devices),
+                                   bound="all the source layout has")
+    return expand_failed(failed, src.devices)
+
+
 def verify_switch(switch: PlannedSwitch, *, topology: str | Topology | None = None,
            budget: str | int | None = None, reserve: str | int | None = None) -> VerifyReport:
     """Verify a plan with the checks ``dynatrain plan`` and ``dynatrain verify`` run: the five
     rules, the staging budget and device memory (state plus staging plus the reserve).
+    A saved slice (``switch.device`` set) gets the checks ``plan --device`` runs: the rules as
+    they concern that device, and its staging within the budget (no device memory check,
+    which needs every device's state).
 
     ``topology``/``budget``/``reserve`` override the switch's own (a budget above the plan's
     declared one is not a way to pass). Returns the report; it does not raise on violations.
@@ -125,6 +141,10 @@ def verify_switch(switch: PlannedSwitch, *, topology: str | Topology | None = No
     topo = switch.topology if topology is None else _topology(topology)
     budget_bytes = switch.budget_bytes if budget is None else parse_bytes(budget, "budget")
     reserve_bytes = switch.reserve_bytes if reserve is None else _reserve(reserve)
+    if switch.device is not None:  # a slice: the checks plan --device ran on it
+        from .verify.slice import verify_slice
+
+        return verify_slice(switch.plan, switch.src, switch.dst, switch.device, budget_bytes)
     report = _verify(switch.plan, switch.src, switch.dst, topo, budget_bytes,
                      reserve_bytes=reserve_bytes)
     _record(switch.plan, report)
@@ -138,20 +158,34 @@ def summarize(switch: PlannedSwitch) -> str:
     return "\n".join(summary_lines(switch))
 
 
-def save_plan(switch: PlannedSwitch, path: str | os.PathLike[str]) -> None:
-    """Write the plan as ``dynatrain.plan/3`` JSON with both specs embedded (self-contained)."""
+def save_plan(switch: PlannedSwitch, path: str | os.PathLike[str] | TextIO) -> None:
+    """Write the plan as ``dynatrain.plan/3`` JSON with both specs embedded (self-contained),
+    to a file path or an open text stream (``sys.stdout``)."""
+    specs = (spec_to_dict(switch.src.spec), spec_to_dict(switch.dst.spec, switch.plan.dst_devices))
+    if hasattr(path, "write"):
+        write_plan_json(switch.plan, path, *specs)
+        return
     try:
         with open(path, "w", encoding="utf-8") as f:
-            write_plan_json(switch.plan, f, spec_to_dict(switch.src.spec),
-                            spec_to_dict(switch.dst.spec, switch.plan.dst_devices))
+            write_plan_json(switch.plan, f, *specs)
     except OSError as err:
         raise DynatrainError(f"{os.fspath(path)}: cannot write ({err.strerror or err})") from None
+
+
+SLICE_FORMAT = "dynatrain.slice/1"  # ``dynatrain plan A B --device D --json``
+_SLICE_KEYS = ("format", "summary", "violations", "plan")
 
 
 def load_plan(path: str | os.PathLike[str], *, src: Any = None, dst: Any = None,
               topology: str | Topology = "h100", budget: str | int | None = None,
               reserve: str | int = 0) -> PlannedSwitch:
     """Read a plan file back, with the specs it embeds (or ``src``/``dst`` given here).
+
+    A saved slice (``dynatrain.slice/1``, one device's part) reads back too, with ``device``
+    set: ``verify_switch`` then checks it as ``plan --device`` did. A given ``src``/``dst``
+    must be a layout of the plan's model and state kinds with as many ranks as the plan's
+    side; else the plan is not about it, and that is refused (bad input), not reported as
+    violations.
 
     The result is not verified: call ``verify_switch`` on it. Raises ``DynatrainError`` (one line)
     on a file that is missing, too large, not JSON or not a well-formed plan.
@@ -165,21 +199,72 @@ def load_plan(path: str | os.PathLike[str], *, src: Any = None, dst: Any = None,
     if len(data) > MAX_PLAN_BYTES:
         raise DynatrainError(f"{name}: a plan file must be at most {MAX_PLAN_BYTES} bytes")
     try:
-        doc = json.loads(data)
+        doc = json_loads(data)
+    except DuplicateKeyError as err:
+        raise DynatrainError(f"{name}: {err}") from None
     except (ValueError, RecursionError) as err:
         raise DynatrainError(f"{name}: not JSON ({str(err).splitlines()[0][:80]})") from None
+    device = None
+    if isinstance(doc, dict) and doc.get("format") == SLICE_FORMAT:
+        device, doc = _slice_document(doc, name)
     p = plan_from_json(doc)
     layouts = []
-    for side, given in (("src", src), ("dst", dst)):
+    for side, given, devices in (("src", src, p.src_devices), ("dst", dst, p.dst_devices)):
+        embedded = doc.get(f"{side}_spec")
+        if isinstance(embedded, dict):
+            embedded = spec_from_dict(embedded, f"{name}: {side}_spec")
         if given is not None:
-            layouts.append(load_layout(given))
-        elif isinstance(doc.get(f"{side}_spec"), dict):
-            layouts.append(Layout(spec_from_dict(doc[f"{side}_spec"], f"{name}: {side}_spec")))
+            layout = load_layout(given)
+            _same_model(side, layout, embedded, len(devices), given)
+            layouts.append(layout)
+        elif isinstance(embedded, LayoutSpec):
+            layouts.append(Layout(embedded))
         else:
             raise DynatrainError(f"{name}: no {side}_spec in the plan; pass --{side} SPEC")
+    if device is not None and device not in p.src_devices + p.dst_devices:
+        raise DynatrainError(f"{name}: summary.device {device!r} is in neither side of the "
+                             "slice's plan")
     budget_bytes = p.budget_bytes if budget is None else parse_bytes(budget, "budget")
     return PlannedSwitch(p, layouts[0], layouts[1], _topology(topology), budget_bytes,
-                         _reserve(reserve))
+                         _reserve(reserve), device=device)
+
+
+def _slice_document(doc: dict, name: str) -> tuple[str, Any]:
+    """(device, plan document) of a saved slice, its few keys checked."""
+    for k in doc:
+        if k not in _SLICE_KEYS:
+            raise DynatrainError(f"{name}: unknown key {str(k)[:40]!r} in a {SLICE_FORMAT} "
+                                 f"document; the keys are {', '.join(_SLICE_KEYS)}")
+    summary = doc.get("summary")
+    if not isinstance(summary, dict) or not isinstance(summary.get("device"), str):
+        raise DynatrainError(f"{name}: summary.device must name the slice's device (a "
+                             f"{SLICE_FORMAT} document, from plan --device D --json)")
+    if not isinstance(doc.get("plan"), dict):
+        raise DynatrainError(f"{name}: plan must be the slice's plan document (an object)")
+    return summary["device"], doc["plan"]
+
+
+def _same_model(side: str, layout: Layout, embedded: LayoutSpec | None, ranks: int,
+                given: Any) -> None:
+    """Refuse a ``--src``/``--dst`` layout the plan cannot be about, naming what differs."""
+    shown = os.fspath(given) if isinstance(given, (str, os.PathLike)) else "the given layout"
+    if embedded is not None:
+        for section in ("model", "state"):
+            mine, theirs = getattr(layout.spec, section), getattr(embedded, section)
+            for f in type(mine).model_fields:
+                a, b = getattr(mine, f), getattr(theirs, f)
+                if a != b:
+                    raise DynatrainError(
+                        f"--{side}: {shown} is not a layout of the plan's {side} {section}: "
+                        f"{section}.{f} is {_brief(a)}, the plan's is {_brief(b)}")
+    if layout.world != ranks:
+        raise DynatrainError(f"--{side}: {shown} has {layout.world} ranks; the plan's {side} "
+                             f"has {ranks}")
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def run_local(switch: PlannedSwitch, *, seed: int = 0, timeout: float = 60.0,
@@ -214,9 +299,7 @@ def suggest(src: Any, devices: str | list[str], *, reserve: str | int = 0, top: 
 
 
 def _reserve(reserve: str | int) -> int:
-    if reserve in (0, "0"):
-        return 0
-    return parse_bytes(reserve, "reserve")
+    return parse_bytes(reserve, "reserve", allow_zero=True)
 
 
 def _record(p: Plan, report: VerifyReport) -> None:

@@ -22,8 +22,12 @@ from .ir.errors import EXIT_BAD_INPUT, DynatrainError
 from .ir.facts import rank_facts
 from .ir.layout import Layout
 from .ir.loader import load_spec
+from .ir.strict import DuplicateKeyError, json_load
 from .ir.summary import bytes_by_kind, format_count, largest_tensors, logical_parameter_count
-from .ir.units import format_bytes, parse_bytes
+from .ir.units import format_bytes, format_seconds, parse_bytes
+from .planner.cost import PRESETS as TOPOLOGY_PRESETS
+from .planner.suggest import MAX_SUGGEST_DEVICES
+from .report.dot import MAX_DOT_MESSAGES
 from .report.summary import plural
 from .verify.report import VerificationError
 
@@ -33,16 +37,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"dynatrain: error: {message}\n")
 
 
+STDOUT = "-"  # every output option: write to standard output instead of a file
+
+
 def _write(path: str, text: str, option: str = "--json") -> None:
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as err:
-        raise DynatrainError(f"{option}: cannot write {path!r} ({err.strerror or err})") from None
+    """``text`` to the file ``path``, or to stdout when ``path`` is ``-``."""
+    _write_lines(path, (text,), option)
 
 
 def _write_lines(path: str, lines: Iterable[str], option: str) -> None:
     """``_write`` for text produced a line at a time (a large plan's ``--text``)."""
+    if path == STDOUT:
+        sys.stdout.writelines(lines)
+        return
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.writelines(lines)
@@ -50,25 +57,54 @@ def _write_lines(path: str, lines: Iterable[str], option: str) -> None:
         raise DynatrainError(f"{option}: cannot write {path!r} ({err.strerror or err})") from None
 
 
+def _check_outputs(args: argparse.Namespace, *options: str) -> bool:
+    """Refuse, before any work, output options that cannot all be written: two of them on
+    stdout (``-``), or a path in no existing directory. True when one of them takes stdout
+    (the command then prints that output alone, not its summary)."""
+    given = [(o, getattr(args, o.lstrip("-").replace("-", "_"))) for o in options]
+    given = [(o, v) for o, v in given if v is not None]
+    on_stdout = [o for o, v in given if v == STDOUT]
+    if len(on_stdout) > 1:
+        raise DynatrainError(f"{on_stdout[1]}: only one output can go to stdout ('-'); "
+                             f"{on_stdout[0]} already does")
+    for option, path in given:
+        if path == STDOUT:
+            continue
+        if not path or os.path.isdir(path):
+            raise DynatrainError(f"{option}: cannot write {path!r} (it is a directory)"
+                                 if path else f"{option}: expected a file name or '-'")
+        parent = os.path.dirname(path) or "."
+        if not os.path.isdir(parent):
+            raise DynatrainError(f"{option}: cannot write {path!r} (no such directory "
+                                 f"{parent!r})")
+    return bool(on_stdout)
+
+
 def _parse_ranks(text: str | None, world: int) -> list[int]:
     if text is None:
         return list(range(world))
     ranks: list[int] = []
     for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        # ASCII digits only, and short: str.isdigit() also accepts '²', which int() refuses.
-        if not re.fullmatch(r"[0-9]{1,9}", lo.strip()) or (
-                hi and not re.fullmatch(r"[0-9]{1,9}", hi.strip())):
-            raise DynatrainError(f"--ranks: expected e.g. 0,3,8-15 (got {text[:40]!r})")
-        a, b = int(lo), int(hi) if hi else int(lo)
-        if not 0 <= a <= b < world:
-            raise DynatrainError(f"--ranks: ranks must lie in [0, {world}) (got {part!r})")
+        lo, dash, hi = (x.strip() for x in part.partition("-"))
+        # ASCII digits only: str.isdigit() and re's \d also accept other scripts' digits.
+        if not re.fullmatch(r"[0-9]+", lo) or (dash and not re.fullmatch(r"[0-9]+", hi)):
+            raise DynatrainError(f"--ranks: expected e.g. 0,3,8-15, digits 0-9 "
+                                 f"(got {part[:40]!r})")
+        # Lengths before int(): a 5000-digit rank is refused, not converted.
+        if max(len(lo), len(hi)) > len(str(world)) or max(int(lo), int(hi or lo)) >= world:
+            raise DynatrainError(f"--ranks: {part[:40]!r}: ranks must be below the world size "
+                                 f"{world} (0-{world - 1})")
+        a, b = int(lo), int(hi or lo)
+        if b < a:
+            raise DynatrainError(f"--ranks: {part!r}: the range is reversed; ranges run low-high "
+                                 f"({b}-{a})")
         ranks.extend(range(a, b + 1))
     return ranks
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    _check_outputs(args, "--json")
     layout = Layout(load_spec(args.spec))
     if args.ranks is not None and not args.json:
         raise DynatrainError("--ranks: only applies with --json")
@@ -76,11 +112,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         ranks = _parse_ranks(args.ranks, layout.world)
         doc = {"format": "dynatrain.layout/1", "spec": args.spec, "world": layout.world,
                "ranks": [rank_facts(layout, r) for r in ranks]}
-        text = json.dumps(doc, separators=(",", ":"))
-        if args.json == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            _write(args.json, text)
+        _write(args.json, json.dumps(doc, separators=(",", ":")) + "\n")
         return 0
     kinds = bytes_by_kind(layout)
     p, m = layout.parallel, layout.model
@@ -115,28 +147,50 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reserve(text: str) -> int:
-    return 0 if text.strip() == "0" else parse_bytes(text, "--reserve")
+def _reserve(text: str | None) -> int:
+    return 0 if text is None else parse_bytes(text, "--reserve", allow_zero=True)
 
 
 def _failed(text: str | None, spec_path: str):
     """``--failed`` as the set of source devices it names (a node: all its devices)."""
     if text is None:
         return frozenset()
-    from .planner.lost import expand_failed
+    from .api import failed_devices
 
-    return expand_failed(text, Layout(load_spec(spec_path)).devices)
+    return failed_devices(text, Layout(load_spec(spec_path)))
 
 
-def _plan_checkpoint_load(args: argparse.Namespace) -> int:
+def _plan_checkpoint_load(args: argparse.Namespace, json_on_stdout: bool) -> int:
     """``dynatrain plan CKPT_DIR dst.yaml``: what loading the checkpoint would read, per device."""
     from .checkpoint import plan_load, format_load
 
     summary = plan_load(args.src, Layout(load_spec(args.dst))).summary()
-    print(format_load(summary, per_device=args.per_device))
+    if not json_on_stdout:
+        print(format_load(summary, per_device=args.per_device))
     if args.json:
         _write(args.json, json.dumps(summary, default=str) + "\n", "--json")
     return 0
+
+
+# ``plan``'s options a checkpoint source (``plan CKPT_DIR dst.yaml``) honours: it reports what
+# loading would read, and plans no switch.
+_CHECKPOINT_OPTIONS = ("--json", "--per-device")
+
+
+def _checkpoint_options(args: argparse.Namespace) -> None:
+    """Refuse, in one line, an option ``plan CKPT_DIR dst`` would otherwise silently ignore."""
+    given = {
+        "--budget": args.budget is not None, "--topology": args.topology is not None,
+        "--reserve": args.reserve is not None, "--text": args.text is not None,
+        "--heatmap": args.heatmap is not None, "--dot": args.dot is not None,
+        "--place": args.place is not None, "--failed": args.failed is not None,
+        "--allow-lost": args.allow_lost, "--device": args.device is not None,
+    }
+    for option, on in given.items():
+        if on:
+            raise DynatrainError(f"{option}: not with a checkpoint directory as the source "
+                                 f"(it reports what loading reads; it takes only "
+                                 f"{' and '.join(_CHECKPOINT_OPTIONS)})")
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -149,6 +203,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     print(f"  loaded  {format_bytes(stats.bytes_read)} read in {stats.chunks} chunks, "
           f"{format_bytes(stats.bytes_written)} written into every destination rank's storage "
           f"in {stats.seconds:.2f} s (peak {format_bytes(stats.peak_in_flight)} in flight)")
+    print("  checked only: the loaded storage is discarded and no file is written (a job loads "
+          "the checkpoint itself, as this check did)")
     return 0
 
 
@@ -156,15 +212,18 @@ def cmd_spec(args: argparse.Namespace) -> int:
     from .ir.errors import SpecError
     from .ir.from_job import read_megatron
     from .ir.hf_config import parse_assignments, read_hf_config, spec_from_hf_config
-    from .ir.loader import spec_to_yaml_text
+    from .ir.loader import spec_from_dict, spec_to_dict, spec_to_yaml_text
 
+    _check_outputs(args, "--output")
     if (args.from_args is None) == (args.from_hf is None):
         raise DynatrainError("spec: give exactly one of --from-args ARGS.json or --from-hf "
                              "config.json")
     path = args.from_args or args.from_hf
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = json_load(f)
+    except DuplicateKeyError as err:
+        raise SpecError(path, str(err)) from None
     except OSError as err:
         raise DynatrainError(f"{path}: cannot read ({err.strerror or err})") from None
     except (ValueError, RecursionError) as err:
@@ -188,11 +247,15 @@ def cmd_spec(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         spec = spec_from_hf_config(doc, parse_assignments(args.parallel, "--parallel"),
                                    parse_assignments(args.world, "--world"), name=args.name)
-    text = spec_to_yaml_text(spec)
-    if args.output:
-        _write(args.output, text, "--output")
-    else:
-        sys.stdout.write(text)
+        if args.name is None:  # named like the shipped specs: what runs where, and how
+            from .report.summary import grid
+
+            layout = Layout(spec)
+            what = doc.get("_name_or_path") or doc.get("model_type") or "model"
+            what = os.path.basename(str(what).rstrip("/")) or "model"
+            spec = spec_from_dict({**spec_to_dict(spec), "name": f"{what} (HuggingFace config) "
+                                   f"on {plural(layout.world, 'GPU')}, {grid(layout).upper()}"})
+    _write(args.output or STDOUT, spec_to_yaml_text(spec), "--output")
     return 0
 
 
@@ -200,55 +263,81 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .api import plan
     from .report.summary import summary_lines
 
-    if args.device is not None:
-        return _plan_device(args)
+    # Every check that needs no plan comes first: a refusal must not cost a planning.
+    on_stdout = _check_outputs(args, "--json", "--text", "--heatmap", "--dot")
     if os.path.isdir(args.src):  # a megatron dist checkpoint as the source
-        return _plan_checkpoint_load(args)
+        _checkpoint_options(args)
+        return _plan_checkpoint_load(args, on_stdout)
+    if args.device is not None:
+        return _plan_device(args, on_stdout)
+    if args.heatmap and args.heatmap != STDOUT:
+        from .report.heatmap import check_heatmap_path
+
+        check_heatmap_path(args.heatmap)
+    if args.dot:
+        from .report.dot import check_dot_path, check_dot_world
+
+        if args.dot != STDOUT:
+            check_dot_path(args.dot)
+        src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
+        check_dot_world(src.devices, dst.devices)
 
     from .planner.lost import StateLost
 
     try:
-        switch = plan(args.src, args.dst, budget=parse_bytes(args.budget, "--budget"),
-                      topology=args.topology, place=args.place, reserve=_reserve(args.reserve),
+        switch = plan(args.src, args.dst, budget=parse_bytes(args.budget or DEFAULT_BUDGET,
+                                                             "--budget"),
+                      topology=args.topology or DEFAULT_TOPOLOGY, place=args.place or "naive",
+                      reserve=_reserve(args.reserve),
                       failed=_failed(args.failed, args.src), allow_lost=args.allow_lost)
     except StateLost as lost:  # name every tensor, kind and range no survivor holds; exit 3
-        print(lost.lost.to_text())
+        if args.json != STDOUT:
+            print(lost.lost.to_text())
         if args.json:
             _write(args.json, json.dumps({"format": "dynatrain.lost/1",
                                           "lost": lost.lost.to_json()}) + "\n", "--json")
         raise
-    if args.dot:  # refuse a plan too large to draw, or a bad path, before writing anything
-        from .report.dot import check_dot_path, check_dot_size
+    too_big = None
+    if args.dot:  # a plan too large to draw: write every other output, then say so (exit 2)
+        from .report.dot import check_dot_size
 
-        check_dot_path(args.dot)
-        check_dot_size(switch.plan)
-    if args.heatmap:
-        from .report.heatmap import check_heatmap_path
-
-        check_heatmap_path(args.heatmap)
+        try:
+            check_dot_size(switch.plan)
+        except DynatrainError as err:
+            too_big = err
     if args.json:
         from .api import save_plan
 
-        save_plan(switch, args.json)
+        save_plan(switch, sys.stdout if args.json == STDOUT else args.json)
     if args.heatmap:
         from .report.heatmap import write_heatmap
 
-        write_heatmap(switch.plan, args.heatmap)
-    if args.dot:
-        from .report.dot import write_dot
+        if args.heatmap == STDOUT:
+            sys.stdout.flush()
+            write_heatmap(switch.plan, sys.stdout.buffer)
+        else:
+            write_heatmap(switch.plan, args.heatmap)
+    if args.dot and too_big is None:
+        from .report.dot import plan_to_dot, write_dot
 
-        write_dot(switch.plan, args.dot)
+        if args.dot == STDOUT:
+            sys.stdout.write(plan_to_dot(switch.plan))
+        else:
+            write_dot(switch.plan, args.dot)
     if args.text:
         from .planner.text import plan_text_lines
 
-        if args.text == "-":
-            sys.stdout.writelines(plan_text_lines(switch.plan))
-            return 0
         _write_lines(args.text, plan_text_lines(switch.plan), "--text")
-    lines = summary_lines(switch)
-    if args.per_device:
-        lines.extend(_per_device_table(switch.plan))
-    print("\n".join(lines))
+    if not on_stdout:
+        lines = summary_lines(switch)
+        if args.per_device:
+            lines.extend(_per_device_table(switch.plan))
+        print("\n".join(lines))
+    if too_big is not None:
+        written = [o for o in ("--json", "--text", "--heatmap")
+                   if getattr(args, o[2:]) not in (None, STDOUT)]
+        raise DynatrainError(f"{too_big}" + (f"; {' and '.join(written)} written"
+                                              if written else ""))
     return 0
 
 
@@ -261,7 +350,7 @@ def _slice_options(args: argparse.Namespace) -> None:
                      "around failed devices", args.failed is not None),
         "--allow-lost": ("goes with --failed, which slices do not support", args.allow_lost),
         "--reserve": ("a slice's check leaves out the live-memory rule, which needs every "
-                      "device's state", args.reserve.strip() != "0"),
+                      "device's state", _reserve(args.reserve) != 0),
         "--heatmap": ("draws every device's traffic, not one device's", bool(args.heatmap)),
         "--dot": ("draws the whole plan, not one device's part", bool(args.dot)),
         "--per-device": ("lists every device; --device prints one", args.per_device),
@@ -273,7 +362,7 @@ def _slice_options(args: argparse.Namespace) -> None:
         raise DynatrainError("--device: needs two layout specs, not a checkpoint directory")
 
 
-def _plan_device(args: argparse.Namespace) -> int:
+def _plan_device(args: argparse.Namespace, on_stdout: bool) -> int:
     """``dynatrain plan A B --device D``: D's slice of the plan, computed and checked alone.
 
     The slice needs the plan's two global numbers (cut unit, rounds). A live job agrees on
@@ -287,8 +376,8 @@ def _plan_device(args: argparse.Namespace) -> int:
     from .verify.slice import verify_slice
 
     _slice_options(args)
-    budget = parse_bytes(args.budget, "--budget")
-    topology = load_topology(args.topology)
+    budget = parse_bytes(args.budget or DEFAULT_BUDGET, "--budget")
+    topology = load_topology(args.topology or DEFAULT_TOPOLOGY)
     src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
     dev = args.device
     if dev not in src.devices and dev not in dst.devices:
@@ -327,13 +416,11 @@ def _plan_device(args: argparse.Namespace) -> int:
                                     spec_to_dict(dst.spec, dst.devices))}
         _write(args.json, json.dumps(doc, separators=(",", ":")) + "\n", "--json")
     if args.text:
-        from .planner.text import plan_to_text
+        from .planner.text import plan_text_lines
 
-        text = plan_to_text(part)
-        if args.text == "-":
-            sys.stdout.write(text)
-            return 0 if report.ok else VerificationError.exit_code
-        _write(args.text, text, "--text")
+        _write_lines(args.text, plan_text_lines(part), "--text")
+    if on_stdout:
+        return 0 if report.ok else VerificationError.exit_code
 
     def rank(r: int | None) -> str:
         return "-" if r is None else str(r)
@@ -385,7 +472,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     budget = None if args.budget is None else parse_bytes(args.budget, "--budget")
     switch = load_plan(args.plan, src=args.src, dst=args.dst, topology=args.topology,
                        budget=budget, reserve=_reserve(args.reserve))
+    if switch.device is not None and _reserve(args.reserve):
+        raise DynatrainError("--reserve: not for a saved slice: a slice's check leaves out the "
+                             "live-memory rule, which needs every device's state")
     report = verify_switch(switch)
+    if switch.device is not None:
+        print(f"slice of {switch.device} ({switch.plan.src_name} -> {switch.plan.dst_name}), "
+              "checked as plan --device checks it (no device memory check):")
     print(report)
     return 0 if report.ok else VerificationError.exit_code
 
@@ -412,6 +505,7 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
     from .planner.cost import PRESETS, predicted_downtime
     from .ir.summary import bytes_by_kind
 
+    on_stdout = _check_outputs(args, "--json")
     if not 1 <= args.processes <= MAX_LOCAL_PROCESSES:
         raise DynatrainError(f"--processes: must be between 1 and {MAX_LOCAL_PROCESSES} "
                              f"(got {args.processes})")
@@ -456,9 +550,11 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
         f"  moved     {format_bytes(moved)} in {plural(len(plan.rounds), 'round')}, "
         f"{plural(st['messages'], 'message')} between devices; "
         f"{format_bytes(st['bytes_local'])} copied locally",
-        f"  time      {seconds:.3f} s (slowest process), {moved / seconds / 1e9:.2f} GB/s "
-        f"achieved; predicted ~{local.total_seconds:.3f} s on gloo-local (wire "
-        f"{local.wire_seconds:.3f} + fixed {local.fixed_seconds:.3f})",
+        f"  time      {format_seconds(seconds)} (slowest process); "
+        f"{moved / seconds / 1e9:.2f} GB/s over all devices (bytes moved between devices over "
+        f"the slowest process's time); predicted ~{format_seconds(local.total_seconds)} on "
+        f"gloo-local (wire {format_seconds(local.wire_seconds)} + fixed "
+        f"{format_seconds(local.fixed_seconds)})",
         f"  staging   peak {format_bytes(peak)} per device (planned "
         f"{format_bytes(st['peak_staging_bytes'])}, budget {format_bytes(budget)})",
         f"  bit-exact: {'no' if errors else 'yes'} ({checked} destination tensors on "
@@ -468,7 +564,8 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
         check = max(r["report"]["check_seconds"] for r in results)
         lines.append(f"  transfers every fingerprint matched at both ends inside the switch "
                      f"({check:.3f} s)")
-    print("\n".join(lines))
+    if not on_stdout:
+        print("\n".join(lines))
     for e in errors[:5]:
         print(f"  {e.splitlines()[0]}", file=sys.stderr)
     if args.json:
@@ -480,17 +577,19 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_suggest(args: argparse.Namespace) -> int:
+    from .api import failed_devices
     from .planner.cost import load_topology
-    from .planner.lost import expand_failed
     from .planner.suggest import parse_devices, suggest
 
+    on_stdout = _check_outputs(args, "--json")
     spec = load_spec(args.spec)
     devices = parse_devices(args.devices, spec)
-    failed = sorted(expand_failed(args.failed, Layout(spec).devices)) if args.failed else ()
+    failed = sorted(failed_devices(args.failed, Layout(spec))) if args.failed else ()
     out = suggest(spec, devices, top=args.top, topology=load_topology(args.topology),
                   reserve_bytes=_reserve(args.reserve),
                   budget_bytes=parse_bytes(args.budget, "--budget"), failed=failed)
-    print(out.to_text())
+    if not on_stdout:
+        print(out.to_text())
     if args.json:
         _write(args.json, json.dumps(out.to_json(), indent=1) + "\n", "--json")
     return 0
@@ -533,9 +632,14 @@ def cmd_switch(args: argparse.Namespace) -> int:
     return got.exit_code
 
 
+DEFAULT_BUDGET = "2GiB"
+DEFAULT_TOPOLOGY = "h100"
 BUDGET_HELP = ("staging memory per device, e.g. 2GiB or 512MiB (default 2GiB; a bare number "
                "means bytes); a budget so small that the plan would need over 1024 rounds is "
                "refused with the smallest budget that plans")
+TOPOLOGY_HELP = (f"{', '.join(TOPOLOGY_PRESETS)} (default {DEFAULT_TOPOLOGY}) or a topology "
+                 "YAML file (docs/topology.md)")
+STDOUT_HELP = " ('-': stdout, in place of the summary; one output at most)"
 RESERVE_HELP = ("device memory the job needs besides its state (activations, allocator cache, "
                 "communicator buffers), counted by the memory check, e.g. 20GiB (default 0)")
 
@@ -547,30 +651,38 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
     lay = sub.add_parser("layout", help="summarize a layout spec, or dump per-rank facts")
     lay.add_argument("spec")
-    lay.add_argument("--json", metavar="FILE", help="write per-rank facts as JSON ('-': stdout)")
+    lay.add_argument("--json", metavar="FILE", help="write per-rank facts as JSON" + STDOUT_HELP)
     lay.add_argument("--ranks", help="with --json: only these ranks, e.g. 0,3,8-15")
     lay.set_defaults(func=cmd_layout)
     pl = sub.add_parser("plan", help="plan a switch from one layout to another")
     pl.add_argument("src")
     pl.add_argument("dst")
-    pl.add_argument("--budget", default="2GiB", help=BUDGET_HELP)
-    pl.add_argument("--topology", default="h100",
-                    help="h100, h800, gloo-local or a topology YAML file")
-    pl.add_argument("--json", metavar="FILE", help="write the plan and its summary as JSON")
+    # Defaults None: a checkpoint source refuses these options when given (not ignore them).
+    pl.add_argument("--budget", help=BUDGET_HELP)
+    pl.add_argument("--topology", help=TOPOLOGY_HELP)
+    pl.add_argument("--json", metavar="FILE",
+                    help="write the plan and its summary as JSON" + STDOUT_HELP)
     pl.add_argument("--text", metavar="FILE",
-                    help="write every round, message and transfer as text ('-': stdout only)")
+                    help="write every round, message and transfer as text (docs/plan-text.md)"
+                    + STDOUT_HELP)
     pl.add_argument("--heatmap", metavar="FILE.png",
-                    help="draw the device x device traffic matrix with node boundaries")
+                    help="draw the device x device traffic matrix with node boundaries (PNG)"
+                    + STDOUT_HELP)
     pl.add_argument("--dot", metavar="FILE.dot",
-                    help="write the round/message graph (Graphviz) of a small plan")
-    pl.add_argument("--place", choices=("naive", "auto"), default="naive",
+                    help=f"write the round/message graph (Graphviz) of a plan of at most "
+                         f"{MAX_DOT_MESSAGES} messages; a switch of more devices than that is "
+                         f"refused before planning, a larger plan after the other outputs are "
+                         f"written (exit 2)" + STDOUT_HELP)
+    pl.add_argument("--place", choices=("naive", "auto"),
                     help="auto: choose which device runs each destination rank (TP groups kept "
-                         "inside nodes) to move the fewest bytes; naive: rank r on the r-th device")
+                         "inside nodes) to move the fewest bytes; naive (default): rank r on "
+                         "the r-th device")
     pl.add_argument("--per-device", action="store_true",
                     help="also print every device's traffic per link")
-    pl.add_argument("--reserve", default="0", help=RESERVE_HELP)
+    pl.add_argument("--reserve", help=RESERVE_HELP)
     pl.add_argument("--failed", metavar="DEVICES",
-                    help="source devices or nodes that died, e.g. node3,node5:gpu2: plan only "
+                    help="source devices or nodes that died, in suggest --devices' syntax, e.g. "
+                         "node3,node5:gpu2,node0:gpu0-7,node12-15: plan only "
                          "from surviving holders; what no survivor holds is named, exit 3")
     pl.add_argument("--allow-lost", action="store_true",
                     help="with --failed: plan what survives and record what is lost in the "
@@ -583,16 +695,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "live job agrees on them with all-reduces instead). Not with --place "
                          "auto, --failed, --reserve, --heatmap, --dot or --per-device")
     pl.set_defaults(func=cmd_plan)
-    ve = sub.add_parser("verify", help="re-verify a saved plan (exit 1 if it breaks a rule)")
-    ve.add_argument("plan", metavar="PLAN.json")
+    ve = sub.add_parser("verify", help="re-verify a saved plan or slice (exit 1 if it breaks a "
+                                       "rule; 2 if --src/--dst is not of the plan's model)")
+    ve.add_argument("plan", metavar="PLAN.json",
+                    help="from plan --json, or a slice from plan --device D --json")
     ve.add_argument("--src", metavar="SPEC", help="source spec (default: the one in the plan)")
     ve.add_argument("--dst", metavar="SPEC",
                     help="destination spec (default: the one in the plan, with its placement)")
     ve.add_argument("--budget", help="staging memory per device to hold the plan to "
                                      "(default: the budget the plan declares)")
-    ve.add_argument("--topology", default="h100",
-                    help="h100, h800, gloo-local or a topology YAML file (device memory "
-                         "capacity)")
+    ve.add_argument("--topology", default=DEFAULT_TOPOLOGY,
+                    help=TOPOLOGY_HELP + " (its memory_GB is the device memory checked)")
     ve.add_argument("--reserve", default="0", help=RESERVE_HELP)
     ve.set_defaults(func=cmd_verify)
     rp = sub.add_parser("run-plan", help="run a switch here: one CPU process per device, "
@@ -608,7 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
     rp.add_argument("--json", metavar="FILE",
                     help="write every process's switch report (bytes, rounds, seconds per "
-                         "round, bandwidth, staging) and the plan's summary as JSON")
+                         "round, bandwidth, staging) and the plan's summary as JSON"
+                         + STDOUT_HELP)
     rp.add_argument("--check-transfers", action="store_true",
                     help="inside the switch, compare a fingerprint of every transfer at its "
                          "destination with its source's before committing (the check a real "
@@ -618,18 +732,24 @@ def build_parser() -> argparse.ArgumentParser:
                                          "devices, ranked by predicted switch time")
     su.add_argument("spec", help="the current layout")
     su.add_argument("--devices", required=True,
-                    help="the devices to run on, e.g. node0:gpu0-5,node1 (a node: all its GPUs)")
+                    help="the devices to run on, e.g. node0:gpu0-5,node1,node4-7 (a node: all its "
+                         "GPUs; gpu numbers below the spec's gpus_per_node; digits 0-9), at "
+                         f"most {MAX_SUGGEST_DEVICES}: suggest plans its best candidates in "
+                         "full, which takes about a minute at that size")
     su.add_argument("--reserve", default="0", help=RESERVE_HELP)
     su.add_argument("--top", type=int, default=5,
                     help="plan this many best candidates by bytes to move, rank by time")
     su.add_argument("--budget", default="2GiB", help=BUDGET_HELP)
-    su.add_argument("--topology", default="h100",
-                    help="h100, h800, gloo-local or a topology YAML file")
-    su.add_argument("--failed", help="source devices or nodes that failed, e.g. node3,node5:gpu2")
-    su.add_argument("--json", metavar="FILE", help="write the ranked layouts with their specs")
+    su.add_argument("--topology", default=DEFAULT_TOPOLOGY, help=TOPOLOGY_HELP)
+    su.add_argument("--failed", help="source devices or nodes that failed, in --devices' syntax, "
+                                     "e.g. node3,node5:gpu2,node12-15")
+    su.add_argument("--json", metavar="FILE",
+                    help="write the ranked layouts with their specs" + STDOUT_HELP)
     su.set_defaults(func=cmd_suggest)
-    lo = sub.add_parser("load", help="load a megatron dist checkpoint (torch_dist) into any "
-                                     "layout, bit for bit")
+    lo = sub.add_parser("load", help="check that a megatron dist checkpoint (torch_dist) loads "
+                                     "into a layout, bit for bit: every destination rank's "
+                                     "storage is filled in memory, then discarded (nothing is "
+                                     "written)")
     lo.add_argument("checkpoint", metavar="CKPT_DIR")
     lo.add_argument("dst", help="destination layout spec")
     lo.add_argument("--budget", default="2GiB",
@@ -643,8 +763,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--parallel", help="with --from-hf: e.g. tp=8,pp=4,ep=8")
     sp.add_argument("--world", help="e.g. nodes=16,gpus_per_node=8 (with --from-args: default "
                                     "the args' world_size on 8 GPUs per node)")
-    sp.add_argument("--name", help="the spec's name")
-    sp.add_argument("-o", "--output", metavar="FILE", help="write the YAML here (default stdout)")
+    sp.add_argument("--name", help="the spec's name (default: what the arguments or config say "
+                                   "runs where, e.g. 'llama (HuggingFace config) on 8 GPUs, "
+                                   "TP2 PP1 DP4')")
+    sp.add_argument("-o", "--output", metavar="FILE",
+                    help="write the YAML here (default, or '-': stdout)")
     sp.set_defaults(func=cmd_spec)
     pr = sub.add_parser("prove", help="prove with z3 the region arithmetic plans rely on")
     pr.add_argument("lemma", nargs="*", help="lemma names (default: all)")

@@ -37,6 +37,12 @@ def test_tiny_pair_switches_bit_exact_in_several_rounds(capfd) -> None:
     assert rounds > 1  # the 1 MiB budget splits the switch into rounds, each logged once
     assert err.count("  round ") == rounds and f"round {rounds}/{rounds}: " in err, err
     assert "budget 1.0 MiB" in out
+    # Each of the three throughputs says what it divides by what.
+    assert "GB/s over all devices (bytes moved between devices over the slowest process's " \
+        "time)" in out, out
+    assert "GB/s so far (all devices' bytes over the time since round 0)" in err, err
+    assert "GB/s through its own links (its sent + received bytes over its exchange time)" \
+        in err, err
 
 
 def test_check_transfers_and_json_report(tmp_path, capfd) -> None:

@@ -91,3 +91,78 @@ def test_prove_lists_each_lemma_and_exits_0(capsys) -> None:
     assert "even_split_tiles" in out and "2 of 2 lemmas proved" in out
     assert main(["prove", "no_such_lemma"]) == 2
     assert "no lemma 'no_such_lemma'" in capsys.readouterr().err
+
+
+# ---- a plan checked against layouts it is not about, and saved slices -----------------------
+
+TINY_SRC, TINY_DST = "specs/tiny-gpt/pp2-dp2.yaml", "specs/tiny-gpt/tp2-dp2.yaml"
+EIGHT_B = "specs/llama3.1-8b/tp2-dp4.yaml"
+
+
+def _tiny_plan(tmp_path, capsys) -> str:
+    out = tmp_path / "tiny.json"
+    assert main(["plan", TINY_SRC, TINY_DST, "--json", str(out)]) == 0
+    capsys.readouterr()
+    return str(out)
+
+
+def _one_error(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dynatrain: error: "), err
+    assert "Slot(" not in out + err
+    return lines[0]
+
+
+def test_src_or_dst_of_another_model_is_bad_input_naming_the_field(tmp_path, capsys) -> None:
+    plan = _tiny_plan(tmp_path, capsys)
+    assert main(["verify", plan, "--src", EIGHT_B]) == 2
+    line = _one_error(capsys)
+    assert "--src:" in line and "model.num_layers is 32, the plan's is 4" in line, line
+    assert main(["verify", plan, "--dst", EIGHT_B]) == 2
+    assert "--dst:" in _one_error(capsys)
+
+
+def test_src_of_the_same_model_with_other_ranks_is_bad_input(tmp_path, capsys) -> None:
+    plan = _tiny_plan(tmp_path, capsys)
+    other = tmp_path / "wide.yaml"
+    doc = yaml.safe_load(open(TINY_SRC).read())
+    doc["world"] = {"nodes": 1, "gpus_per_node": 8}
+    doc["parallel"] = {**doc.get("parallel", {}), "pp": 2}
+    other.write_text(yaml.safe_dump(doc))
+    assert main(["verify", plan, "--src", str(other)]) == 2
+    assert "has 8 ranks; the plan's src has 4" in _one_error(capsys)
+
+
+def test_violations_name_slots_in_the_text_notation(tmp_path, capsys) -> None:
+    doc = json.loads(open(_tiny_plan(tmp_path, capsys)).read())
+    # Move one transfer's source region outside what its source rank stores.
+    t = next(t for rnd in doc["rounds"] for m in rnd for t in m["transfers"]
+             if doc["slots"][t[5]][0] == "param")
+    t[6] = [[x + 10**6 for x in t[6][0]], [x + 10**6 for x in t[6][1]]]
+    assert _verify(tmp_path, doc) == 1
+    out = capsys.readouterr().out
+    assert "no region" in out and "Slot(" not in out and " in c" in out, out
+
+
+def test_a_saved_slice_verifies(tmp_path, capsys) -> None:
+    path = tmp_path / "slice.json"
+    assert main(["plan", TINY_SRC, TINY_DST, "--device", "node0:gpu1", "--json",
+                 str(path)]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("slice of node0:gpu1") and "verified:" in out
+    doc = json.loads(path.read_text())
+    # Shrink a region the device receives by one row (bytes to match): a coverage hole.
+    t = next(t for rnd in doc["plan"]["rounds"] for m in rnd if m["dst_device"] == "node0:gpu1"
+             for t in m["transfers"] if t[2][1][0] - t[2][0][0] >= 2)
+    rows = t[2][1][0] - t[2][0][0]
+    t[2][1][0] -= 1
+    t[9] = t[9] // rows * (rows - 1)
+    assert _verify(tmp_path, doc) == 1
+    out = capsys.readouterr().out
+    assert "verification failed" in out and "coverage" in out, out
+    doc["summary"]["device"] = "node9:gpu9"
+    assert _verify(tmp_path, doc) == 2
+    assert "summary.device 'node9:gpu9' is in neither side" in _one_error(capsys)

@@ -9,6 +9,7 @@ parts exist, are non-negative and fit inside the measured total).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -70,8 +71,8 @@ def test_describe_states_parts_total_and_exclusions():
     text = predicted_downtime(PLAN, TOPO).describe()
     assert "\n" not in text
     assert text == ("wire 1.500 s on t (bandwidth model; lower bound 1.000 s, 1.50x) + fixed "
-                    "~0.202 s (setup, start barrier and commit vote 0.200 s; 2 round syncs "
-                    "0.002 s) = ~1.702 s downtime predicted; excludes building the destination "
+                    "~202 ms (setup, start barrier and commit vote 200 ms; 2 round syncs "
+                    "2 ms) = ~1.702 s downtime predicted; excludes building the destination "
                     "job, forming process groups")
     derived = predicted_downtime(_plan(PLAN.rounds, ("param",)), TOPO)
     assert derived.describe().endswith("forming process groups, deriving params")
@@ -81,7 +82,42 @@ def test_empty_plan_pays_only_the_switch_fixed_cost():
     d = predicted_downtime(_plan(()), TOPO)
     assert (d.wire_seconds, d.lower_bound_seconds, d.round_fixed_seconds) == (0.0, 0.0, 0.0)
     assert d.total_seconds == 0.2
-    assert "lower bound 0.000 s, 1.00x" in d.describe()
+    # Nothing moves: no ratio of two zeros.
+    assert "wire 0 s on t (bandwidth model; lower bound 0 s) + fixed ~200 ms" in d.describe()
+
+
+@pytest.mark.parametrize("seconds, shown", [
+    (0.0, "0 s"), (2.5, "2.500 s"), (0.0123, "12.3 ms"), (5.98e-6, "5.98 us"),
+    (3.2e-8, "32 ns"), (1e-300, "<1 ns"), (1e300, "1e+300 s"), (7.5e6, "7.5e+06 s")])
+def test_times_are_shown_in_a_unit_that_means_something(seconds, shown):
+    from dynatrain.ir.units import format_seconds
+
+    assert format_seconds(seconds) == shown
+
+
+def test_a_tiny_plan_shows_its_wire_time_in_microseconds(capsys):
+    from dynatrain.cli import main
+
+    assert main(["plan", "specs/tiny-gpt/pp2-dp2.yaml", "specs/tiny-gpt/tp2-dp2.yaml"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  time"))
+    assert "wire 0.000 s" not in line and "lower bound 0.000 s" not in line
+    assert re.search(r"wire [0-9.]+ us on .* lower bound [0-9.]+ us, [0-9.]+x\)", line), line
+
+
+@pytest.mark.parametrize("field, value", [
+    ("inter_node_GBps", 1e-300), ("intra_node_GBps", 1e300), ("local_copy_GBps", 0.0),
+    ("latency_us", 1e300), ("switch_fixed_s", 1e9), ("round_fixed_us", -1),
+    ("memory_GB", 1e-300)])
+def test_topology_fields_out_of_range_are_refused(field, value, tmp_path, capsys):
+    from dynatrain.cli import main
+
+    topo = tmp_path / "t.yaml"
+    topo.write_text(f"{field}: {value!r}\n")
+    assert main(["plan", "specs/tiny-gpt/pp2-dp2.yaml", "specs/tiny-gpt/tp2-dp2.yaml",
+                 "--topology", str(topo)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"dynatrain: error: topology.{field}: ") and "Input should be" in err
 
 
 def test_downtime_is_frozen():

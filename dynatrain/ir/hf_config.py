@@ -12,6 +12,7 @@ keep the spec's defaults.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +142,8 @@ def parse_assignments(text: str, field: str) -> dict[str, Any]:
             raise SpecError(f"{field}.{key}", "is given twice", value)
         low = value.lower()
         out[key] = (True if low == "true" else False if low == "false"
-                    else int(value) if value.lstrip("-").isdigit() else value)
+                    # ASCII digits only: str.isdigit() also takes '²', which int() refuses.
+                    else int(value) if re.fullmatch(r"-?[0-9]{1,18}", value) else value)
     return out
 
 

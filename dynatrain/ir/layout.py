@@ -62,7 +62,9 @@ class Layout:
 
     def __repr__(self) -> str:
         p = self.parallel
-        return (f"Layout({self.spec.name or self.model.num_layers}L, W={self.world}, tp={p.tp}, "
+        # The name, quoted, when there is one; else the layer count (``32L``).
+        what = repr(self.spec.name) if self.spec.name else f"{self.model.num_layers}L"
+        return (f"Layout({what}, W={self.world}, tp={p.tp}, "
                 f"pp={p.pp}, vpp={p.vpp}, cp={p.cp}, dp={self.dp}, ep={p.ep}, "
                 f"etp={p.expert_tp}, edp={self.edp})")
 

@@ -1,8 +1,9 @@
 """Read a layout spec from YAML text or a file into a validated ``LayoutSpec``.
 
-Only PyYAML's ``SafeLoader`` is used, the loader behind ``yaml.safe_load``: YAML tags that
-construct objects (``!!python/object/apply:...``) are refused, and named as such, since specs
-are plain data. Documents that would take far longer to build than to read
+Only PyYAML's ``SafeLoader`` is used, the loader behind ``yaml.safe_load`` (as
+``strict.StrictSafeLoader``, which also refuses a key written twice in one mapping): YAML tags
+that construct objects (``!!python/object/apply:...``) are refused, and named as such, since
+specs are plain data. Documents that would take far longer to build than to read
 (merge-key bombs, huge numbers) are refused before they are built. Every failure, whatever the
 input, surfaces as a single ``SpecError`` with a one-line message.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import reprlib
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from .errors import SpecError
 from .presets import PRESETS
 from .rules import check_rules
 from .spec import LayoutSpec
+from .strict import DuplicateKeyError, StrictSafeLoader
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_MAPPING_ENTRIES = 1 << 16  # after merge keys; a real spec has a few dozen
@@ -95,7 +98,7 @@ def _safe_load(text: str, origin: str) -> Any:
     sexagesimal int (``1:2:3:...``) is summed in quadratic time. Plain aliases are safe: the
     loader builds each aliased node once and shares it.
     """
-    loader = yaml.SafeLoader(text)
+    loader = StrictSafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:  # an empty document
@@ -103,6 +106,8 @@ def _safe_load(text: str, origin: str) -> Any:
         _refuse_bombs(node, origin)
         try:
             return loader.construct_document(node)
+        except DuplicateKeyError as err:
+            raise SpecError(origin, str(err)) from None
         except yaml.constructor.ConstructorError:
             # Most often a tag the SafeLoader has no constructor for: name it, since the
             # document is valid YAML that we refuse, not text we failed to read.
@@ -197,7 +202,28 @@ def spec_from_dict(raw: Any, origin: str = "spec") -> LayoutSpec:
     except (RecursionError, ValueError, TypeError, OverflowError) as err:
         raise SpecError(origin, f"cannot be validated ({err.__class__.__name__})") from None
     check_rules(spec)
+    _check_name(spec.name)
     return spec
+
+
+# Unicode categories a name must not hold: controls (Cc: newlines, escapes), format characters
+# (Cf: bidirectional overrides such as U+202E, zero-width joiners), separators other than the
+# space (Zl, Zp), unassigned and private-use code points. A name is printed on terminals and
+# in reports: a right-to-left override would show it reversed, an escape would drive the terminal.
+_BAD_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+MAX_NAME_CHARS = 200
+
+
+def _check_name(name: str | None) -> None:
+    if name is None:
+        return
+    if len(name) > MAX_NAME_CHARS:
+        raise SpecError("name", f"must be at most {MAX_NAME_CHARS} characters", len(name))
+    for i, ch in enumerate(name):
+        if unicodedata.category(ch) in _BAD_NAME_CATEGORIES or (ch.isspace() and ch != " "):
+            raise SpecError("name", f"must be printable text: character {i} is "
+                            f"U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')}); "
+                            "control, bidirectional and other invisible characters are refused")
 
 
 def _resolve_model(model: Any) -> Any:
@@ -331,6 +357,15 @@ def spec_to_dict(spec: LayoutSpec, devices: tuple[str, ...] | None = None) -> di
 
 
 def spec_to_yaml_text(spec: LayoutSpec, devices: tuple[str, ...] | None = None) -> str:
-    """``spec_to_dict`` as YAML text that ``parse_spec`` reads back to an equal spec."""
-    return yaml.safe_dump(spec_to_dict(spec, devices), sort_keys=False, default_flow_style=None,
-                          width=100)
+    """``spec_to_dict`` as YAML text that ``parse_spec`` reads back to an equal spec.
+
+    A dense model (no ``num_moe_experts``) leaves out the MoE fields still at their defaults:
+    they mean nothing without experts, and reading the text back gives them again.
+    """
+    doc = spec_to_dict(spec, devices)
+    if spec.model.num_moe_experts is None:
+        fields = type(spec.model).model_fields
+        doc["model"] = {k: v for k, v in doc["model"].items()
+                        if not (k.startswith("moe_") and k in fields
+                                and getattr(spec.model, k) == fields[k].default)}
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100)

@@ -28,7 +28,7 @@ from .pipeline import LayoutParseError, parse_layout
 
 PositiveInt = Annotated[StrictInt, Field(ge=1, le=1 << 40)]
 NonNegInt = Annotated[StrictInt, Field(ge=0, le=1 << 40)]
-DEVICE_ID = re.compile(r"^node(\d{1,6}):gpu(\d{1,4})$")
+DEVICE_ID = re.compile(r"^node([0-9]{1,6}):gpu([0-9]{1,4})\Z")  # ASCII digits only
 
 
 class _Strict(BaseModel):

@@ -26,15 +26,21 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..ir.errors import SpecError
+from ..ir.strict import DuplicateKeyError, safe_load
+from ..ir.units import format_seconds
 from .plan import Message, Plan
 from .sources import node_of
 from .sums import sum_by_index
 
 
+MIN_GBPS, MAX_GBPS = 1e-3, 1e6  # a topology's link speeds, GB/s
+
+
 class Topology(BaseModel):
     """Link speeds, latency and a switch's fixed costs on one kind of cluster.
 
-    Speeds are GB/s (1e9 bytes per second, per direction). Every number must be finite.
+    Speeds are GB/s (1e9 bytes per second, per direction), from 0.001 to 1e6. Every number
+    must be finite and in its range (docs/topology.md lists them).
 
     Attributes:
         name: what summaries call it (a YAML file without ``name`` is named after the file).
@@ -48,19 +54,21 @@ class Topology(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-    name: str = Field("h100-8xnvlink-8x400g", min_length=1)
-    intra_node_GBps: float = Field(450.0, gt=0)  # NVLink 4: 900 GB/s bidirectional
-    inter_node_GBps: float = Field(50.0, gt=0)  # one 400 Gb/s NIC per GPU
-    local_copy_GBps: float = Field(1500.0, gt=0)  # device-to-device copy within HBM
-    latency_us: float = Field(20.0, ge=0)  # per round: launch + first byte
+    # Ranges: wide enough for any real link (1 MB/s to 1 PB/s, latency up to a second), narrow
+    # enough that no figure printed from them runs to hundreds of digits.
+    name: str = Field("h100-8xnvlink-8x400g", min_length=1, max_length=100)
+    intra_node_GBps: float = Field(450.0, ge=MIN_GBPS, le=MAX_GBPS)  # NVLink 4: 900 GB/s both ways
+    inter_node_GBps: float = Field(50.0, ge=MIN_GBPS, le=MAX_GBPS)  # one 400 Gb/s NIC per GPU
+    local_copy_GBps: float = Field(1500.0, ge=MIN_GBPS, le=MAX_GBPS)  # copy within HBM
+    latency_us: float = Field(20.0, ge=0, le=1e6)  # per round: launch + first byte
     # NCCL fixed costs: assumed, not measured (no multi-GPU host has been lent to this work).
     # Start barrier and vote on warm communicators take well under 1 ms each even at 128
     # ranks; the host work before round 0 (binding, first round's views: thousands of
     # transfers in Python) and the skew between processes at the vote are tens of ms.
-    switch_fixed_s: float = Field(0.05, ge=0)
+    switch_fixed_s: float = Field(0.05, ge=0, le=3600)
     # A round posts its few hundred wire pieces as one NCCL group from Python (~5 us each).
-    round_fixed_us: float = Field(1000.0, ge=0)
-    memory_GB: float | None = Field(80.0, gt=0)
+    round_fixed_us: float = Field(1000.0, ge=0, le=1e7)
+    memory_GB: float | None = Field(80.0, ge=1e-9, le=1e6)  # from one byte
 
 
 H100 = Topology()
@@ -81,6 +89,9 @@ PRESETS = {"h100": H100, "h800": Topology(name="h800-8xnvlink-8x400g", intra_nod
            "gloo-local": GLOO_LOCAL}
 
 
+MAX_TOPOLOGY_BYTES = 1 << 16  # a topology file holds a dozen numbers
+
+
 def load_topology(source: str) -> Topology:
     """A preset name (``PRESETS``: h100, h800, gloo-local) or a YAML file of Topology's fields.
 
@@ -94,8 +105,20 @@ def load_topology(source: str) -> Topology:
         return PRESETS[source]
     names = ", ".join(PRESETS)
     try:
-        raw = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        with open(source, "rb") as f:  # bounded: /dev/zero or a pipe would never end
+            data = f.read(MAX_TOPOLOGY_BYTES + 1)
+    except (OSError, ValueError):
+        raise SpecError("--topology", f"must be {names} or a readable YAML file",
+                        source) from None
+    if len(data) > MAX_TOPOLOGY_BYTES:
+        raise SpecError("--topology", f"a topology file must be at most {MAX_TOPOLOGY_BYTES} "
+                        "bytes", source)
+    try:
+        raw = safe_load(data.decode("utf-8"))
+    except DuplicateKeyError as err:
+        raise SpecError("--topology", f"{source}: {err}") from None
+    except (ValueError, yaml.YAMLError, RecursionError, LookupError, AttributeError,
+            TypeError):  # what PyYAML's safe constructors raise on malformed scalars
         raise SpecError("--topology", f"must be {names} or a readable YAML file",
                         source) from None
     if not isinstance(raw, dict):
@@ -334,13 +357,14 @@ class Downtime:
 0.007 s) = ~0.205 s downtime predicted; excludes building the destination job, forming \
 process groups'
         """
-        lb = self.lower_bound_seconds
-        ratio = self.wire_seconds / lb if lb > 0 else 1.0
-        return (f"wire {self.wire_seconds:.3f} s on {self.topology} (bandwidth model; lower "
-                f"bound {lb:.3f} s, {ratio:.2f}x) + fixed ~{self.fixed_seconds:.3f} s (setup, "
-                f"start barrier and commit vote {self.switch_fixed_seconds:.3f} s; "
-                f"{self.rounds} round syncs {self.round_fixed_seconds:.3f} s) = "
-                f"~{self.total_seconds:.3f} s downtime predicted; excludes "
+        lb, f = self.lower_bound_seconds, format_seconds
+        ratio = f", {self.wire_seconds / lb:.2f}x" if lb > 0 else ""
+        return (f"wire {f(self.wire_seconds)} on {self.topology} (bandwidth model; lower "
+                f"bound {f(lb)}{ratio}) + fixed ~{f(self.fixed_seconds)} (setup, "
+                f"start barrier and commit vote {f(self.switch_fixed_seconds)}; "
+                f"{self.rounds} round sync{'' if self.rounds == 1 else 's'} "
+                f"{f(self.round_fixed_seconds)}) = "
+                f"~{f(self.total_seconds)} downtime predicted; excludes "
                 + ", ".join(self.excludes()))
 
     def as_dict(self) -> dict:

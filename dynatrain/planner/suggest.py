@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,6 +24,7 @@ from itertools import product
 from typing import Any
 
 from ..ir.buffers import experts_in_own_buffer
+from ..ir.devices import parse_device_list
 from ..ir.errors import DynatrainError, SpecError
 from ..ir.layout import DTYPE_BYTES, Layout
 from ..ir.loader import spec_from_dict, spec_to_dict
@@ -163,63 +163,30 @@ class Suggestions:
 
 # ---- devices -----------------------------------------------------------------------------------
 
-_RANGE = re.compile(r"^(\d{1,6})(?:-(\d{1,6}))?$")
+# --devices names at most this many: suggest plans its top candidates in full, and 2048
+# devices already take about a minute on a 2-core host (512: 9 s); more would run for minutes.
+MAX_SUGGEST_DEVICES = 2048
 
 
 def parse_devices(text: str, spec: LayoutSpec | None = None) -> list[str]:
     """A compact device list: ``node0:gpu0-5,node1:gpu0-7``, ``node2`` (every gpu of node 2,
     as many as the source spec's ``gpus_per_node``, or the node's devices in its device list),
-    ``node0-3`` (several whole nodes), ``node4:gpu3`` (one device).
+    ``node0-3`` (several whole nodes), ``node4:gpu3`` (one device): ``ir.devices``'s parser,
+    the one ``--failed`` uses too, bounded at ``MAX_SUGGEST_DEVICES``.
 
     Raises:
-        DynatrainError: one line naming ``--devices``, for empty, malformed or repeated names.
+        DynatrainError: one line naming ``--devices``, for empty, malformed or repeated names,
+            reversed ranges, a gpu beyond the spec's ``gpus_per_node``, or too many devices.
 
     Example:
         >>> parse_devices("node0:gpu0-1,node1:gpu3")
         ['node0:gpu0', 'node0:gpu1', 'node1:gpu3']
     """
-    if not isinstance(text, str) or not text.strip():
-        raise DynatrainError("--devices: expected devices like node0:gpu0-5,node1 (got nothing)")
-    out: list[str] = []
-    for item in (t.strip() for t in text.split(",")):
-        node, _, gpus = item.partition(":")
-        nodes = _span(node.removeprefix("node"), item) if node.startswith("node") else None
-        if nodes is None or (gpus and not gpus.startswith("gpu")):
-            raise DynatrainError(f"--devices: {item[:40]!r} is not like node0:gpu0-5, "
-                                 "node0:gpu3, node2 or node0-3")
-        for n in nodes:
-            if gpus:
-                out += [f"node{n}:gpu{g}" for g in _span(gpus.removeprefix("gpu"), item)]
-            else:
-                out += _whole_node(n, spec, item)
-    seen: set[str] = set()
-    for d in out:
-        if d in seen:
-            raise DynatrainError(f"--devices: {d} is listed twice")
-        seen.add(d)
-        if not DEVICE_ID.match(d):
-            raise DynatrainError(f"--devices: {d} is out of range (node < 10**6, gpu < 10**4)")
-    return out
-
-
-def _span(text: str, item: str) -> range:
-    m = _RANGE.match(text)
-    if not m or int(m.group(2) or m.group(1)) < int(m.group(1)):
-        raise DynatrainError(f"--devices: {item[:40]!r} is not like node0:gpu0-5, node0:gpu3, "
-                             "node2 or node0-3 (ranges run low-high)")
-    return range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
-
-
-def _whole_node(n: int, spec: LayoutSpec | None, item: str) -> list[str]:
     w = spec.world if spec is not None else None
-    if w is not None and w.gpus_per_node is not None:
-        return [f"node{n}:gpu{g}" for g in range(w.gpus_per_node)]
-    if w is not None and w.devices is not None:
-        listed = [d for d in w.devices if node_of(d) == f"node{n}"]
-        if listed:
-            return listed
-    raise DynatrainError(f"--devices: {item[:40]!r} names a whole node, but the source spec does "
-                         "not say how many gpus it has; list them (node2:gpu0-7)")
+    return parse_device_list(text, "--devices",
+                             gpus_per_node=w.gpus_per_node if w is not None else None,
+                             listed=w.devices if w is not None else None,
+                             max_devices=MAX_SUGGEST_DEVICES)
 
 
 # ---- enumeration -------------------------------------------------------------------------------
@@ -605,6 +572,9 @@ def _checked(spec: LayoutSpec, devices: Sequence[str], reserve: int, top: int,
     devs = tuple(devices)
     if not devs:
         raise DynatrainError("--devices: needs at least one device")
+    if len(devs) > MAX_SUGGEST_DEVICES:
+        raise DynatrainError(f"--devices: {len(devs)} devices; suggest takes at most "
+                             f"{MAX_SUGGEST_DEVICES}")
     for d in devs:
         if not isinstance(d, str) or not DEVICE_ID.match(d):
             raise DynatrainError(f"--devices: device ids look like node3:gpu5; {d!r:.40} does not")

@@ -57,7 +57,7 @@ def plan_text_lines(plan: Plan, transfers: bool = True) -> Iterator[str]:
     """``plan_to_text`` a line at a time (each ending in a newline), for writing a plan with
     millions of transfers without holding its text."""
     yield (f"plan {plan.src_name} -> {plan.dst_name}, budget {_size(plan.budget_bytes)}"
-           f", {len(plan.rounds)} rounds\n")
+           f", {len(plan.rounds)} round{'' if len(plan.rounds) == 1 else 's'}\n")
     if plan.derived:
         yield f"derived on the destination: {', '.join(plan.derived)}\n"
     for i, rnd in enumerate(each_round(plan.rounds)):  # a round's messages at a time

@@ -81,6 +81,21 @@ def check_dot_size(plan: Plan, max_messages: int = MAX_DOT_MESSAGES) -> None:
                              f"draws plans of at most {max_messages} messages")
 
 
+def check_dot_world(src_devices, dst_devices, max_messages: int = MAX_DOT_MESSAGES) -> None:
+    """Refuse, before planning, a switch whose plan is surely too large to draw: every
+    destination device receives its state in at least one message or local copy, and every
+    source device that leaves sends at least one.
+
+    Raises:
+        DynatrainError: that lower bound is above ``max_messages``.
+    """
+    dst = set(dst_devices)
+    least = len(dst) + len(set(src_devices) - dst)
+    if least > max_messages:
+        raise DynatrainError(f"--dot: a switch over {least} devices has at least {least} "
+                             f"messages; --dot draws plans of at most {max_messages} messages")
+
+
 def check_dot_path(path: str | Path) -> Path:
     """The output path, refused in one line unless it ends in ``.dot``/``.gv`` in a directory
     that exists (cheap: the CLI calls it before writing any output)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -207,12 +208,12 @@ def heatmap_figure(plan: Plan):
     return fig
 
 
-def write_heatmap(plan: Plan, path: str | Path) -> None:
+def write_heatmap(plan: Plan, path: str | Path | BinaryIO) -> None:
     """Draw ``heatmap_figure(plan)`` to a PNG file.
 
     Args:
         plan: the plan to draw.
-        path: output file; must end in ``.png``.
+        path: output file, which must end in ``.png``, or an open binary stream.
 
     Raises:
         DynatrainError: the suffix is not ``.png`` or the file cannot be written.
@@ -221,10 +222,11 @@ def write_heatmap(plan: Plan, path: str | Path) -> None:
         >>> write_heatmap(plan, "/tmp/traffic.png")  # doctest: +SKIP
     """
     # Fail before the (slow) drawing when the path clearly cannot be written.
-    p = check_heatmap_path(path)
+    p = path if hasattr(path, "write") else check_heatmap_path(path)
     fig = heatmap_figure(plan)
     try:
         fig.savefig(p, format="png")
     except OSError as err:
         why = err.strerror or err
-        raise DynatrainError(f"--heatmap: cannot write {str(p)!r} ({why})") from None
+        shown = "-" if hasattr(p, "write") else str(p)
+        raise DynatrainError(f"--heatmap: cannot write {shown!r} ({why})") from None

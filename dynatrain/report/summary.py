@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..ir.layout import Layout
-from ..ir.units import format_bytes
+from ..ir.units import format_bytes, format_seconds
 from ..planner.cost import predicted_downtime
 from ..planner.derive_cost import derived_param_gather
 
@@ -128,7 +128,8 @@ def _placement_lines(st: dict, world_changes: int) -> list[str]:
         time_note = (" (the busiest link carries as much either way)" if same_time else "")
         return [f"  place   auto (TP groups kept in nodes): {format_bytes(naive - moved)} less "
                 f"than rank r on device r ({format_bytes(naive)}); wire time "
-                f"{st['predicted_seconds']:.3f} s vs {st['naive_predicted_seconds']:.3f} s"
+                f"{format_seconds(st['predicted_seconds'])} vs "
+                f"{format_seconds(st['naive_predicted_seconds'])}"
                 + time_note]
     if world_changes:
         return ["  place   naive (rank r on device r); --place auto may move fewer bytes"]
@@ -145,7 +146,7 @@ def _derive_lines(switch: PlannedSwitch) -> list[str]:
     return [f"  derive  {', '.join(switch.plan.derived)}: not sent; each destination rank casts "
             f"the main params it owns, then all-gathers the rest over DP: "
             f"{format_bytes(g.total_bytes)} in all, {format_bytes(g.max_device_bytes)} into the "
-            f"busiest device, {g.seconds:.3f} s wire time"
+            f"busiest device, {format_seconds(g.seconds)} wire time"
             + (" over the network" if g.crosses_nodes else " over NVLink")]
 
 
@@ -157,9 +158,13 @@ def _memory_lines(switch: PlannedSwitch) -> list[str]:
     reserve_text = (f" + reserve {format_bytes(reserve)} = {format_bytes(live + reserve)}"
                     if reserve else " + no reserve for activations, allocator and "
                     "communicators (--reserve)")
+    # memory_GB is decimal (80 GB = 80e9 bytes); every size here is binary (GiB = 2**30 bytes).
+    gb = switch.topology.memory_GB
+    source = f", memory_GB {gb:g} = {gb:g}e9 bytes" if gb is not None else ""
     return [f"  memory  peak {format_bytes(live)} per device while switching (source + "
             f"destination state + staging){reserve_text} of {format_bytes(st['capacity_bytes'])}"
-            f" device memory (headroom {format_bytes(st['headroom_bytes'])})"]
+            f" device memory ({switch.topology.name}{source}; headroom "
+            f"{format_bytes(st['headroom_bytes'])})"]
 
 
 def _time_lines(switch: PlannedSwitch) -> list[str]:

@@ -320,7 +320,8 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     out = report.as_dict()
     if me.index == 0:
         log.info("switch committed: %d rounds in %.3f s (%s); process 0 sent %s and received "
-                 "%s at %.2f GB/s, staged at most %s (plan: %s)", len(reports),
+                 "%s: %.2f GB/s through its own links (its sent + received bytes over its "
+                 "exchange time), staged at most %s (plan: %s)", len(reports),
                  report.total_seconds, plan.dst_name, _mib(out["bytes_sent"]),
                  _mib(out["bytes_received"]), out["achieved_GBps"], _mib(peak_staging),
                  _mib(out["planned_peak_staging_bytes"]))
@@ -417,8 +418,8 @@ def _run_rounds(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
         if progress:
             done += sum(m.nbytes for m in plan.rounds[i].messages if not m.local)
             elapsed = time.perf_counter() - t0
-            log.info("round %d/%d: %s of %s moved (all devices), %.3f s, %.2f GB/s so far; "
-                     "process 0 staged %s", i + 1, n, _mib(done), _mib(moved), seconds,
+            log.info("round %d/%d: %s of %s moved (all devices), %.3f s, %.2f GB/s so far "
+                     "(all devices' bytes over the time since round 0); process 0 staged %s", i + 1, n, _mib(done), _mib(moved), seconds,
                      done / elapsed / 1e9 if elapsed > 0 else 0.0, _mib(work.staging))
     return reports
 

@@ -19,6 +19,7 @@ from ..ir.state import StateView, Stored
 from ..planner.lost import LostState
 from ..planner.plan import Message, Plan, Transfer
 from ..planner.sums import sum_by_index
+from ..planner.text import slot_text
 from .report import Violation
 from ..ir.tiling import inside, outside_point, tiling_fault, well_formed
 
@@ -769,8 +770,8 @@ def _check_source(t: Transfer, device: str, kinds: tuple[str, ...] | None, emit:
     what = ",".join(t.kinds)
     if kinds is None:
         emit(Violation("source", f"is read from source rank {t.src_rank} ({device}), which holds "
-                       f"no region {t.src_anchor} in {t.src_slot}", t.key, what, (t.src_rank,),
-                       (device,), t.box.lo))
+                       f"no region {t.src_anchor} in {slot_text(t.src_slot)}", t.key, what,
+                       (t.src_rank,), (device,), t.box.lo))
         return
     missing = [k for k in t.kinds if k not in kinds]
     if missing:
@@ -855,8 +856,8 @@ def _check_coverage(dst: StateView, hold: Holdings,
                            key, ",".join(t.kinds), (rank,), (devices[rank],), point))
         else:
             emit(Violation("coverage", f"is written to destination rank {rank} ({devices[rank]}), "
-                           f"which has no region {anchor} in {slot}", key, ",".join(t.kinds), (rank,),
-                           (devices[rank],), point))
+                           f"which has no region {anchor} in {slot_text(slot)}", key,
+                           ",".join(t.kinds), (rank,), (devices[rank],), point))
 
 
 def _unfilled_in(key: str, box: Box, kinds: tuple[str, ...],

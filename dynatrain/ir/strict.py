@@ -1,0 +1,85 @@
+"""YAML and JSON readers that refuse a key given twice in one mapping.
+
+``yaml.safe_load`` and ``json.loads`` keep the last of two equal keys without a word: a spec
+with two ``parallel:`` blocks would take its tp from the second, a plan with two
+``budget_bytes`` the later one. Every document DynaTrain reads (specs, plans, topology files,
+Megatron argument dumps, HuggingFace configs) goes through these instead, so a duplicate is
+refused naming the key, as an unknown key is.
+
+A YAML merge key (``<<: *base``) is not a duplicate of the keys it brings in: overriding a
+merged key is what merges are for. Only keys written in the mapping itself are compared.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from .errors import DynatrainError
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class DuplicateKeyError(DynatrainError, ValueError):
+    """A mapping names the same key twice.
+
+    Attributes:
+        key: the repeated key.
+        line: 1-based line of the second occurrence (YAML only; None for JSON).
+    """
+
+    def __init__(self, key: Any, line: int | None = None, first: int | None = None) -> None:
+        self.key, self.line = key, line
+        shown = repr(key) if len(repr(key)) <= 60 else repr(key)[:57] + "..."
+        where = "" if line is None else f" at line {line}" + (
+            f" (first at line {first})" if first is not None else "")
+        super().__init__(f"duplicate key {shown}{where}: each key may appear once in a mapping")
+
+
+class StrictSafeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` whose mappings refuse a key written twice (``DuplicateKeyError``)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the base class names it
+                    continue
+                line = key_node.start_mark.line + 1
+                if first is not None:
+                    raise DuplicateKeyError(key, line, first)
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys (``DuplicateKeyError``)."""
+    return yaml.load(text, Loader=StrictSafeLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):  # the common case costs one len(): plans have many objects
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise DuplicateKeyError(k)
+            seen.add(k)
+    return out
+
+
+def json_loads(data: str | bytes) -> Any:
+    """``json.loads`` that refuses an object naming a key twice (``DuplicateKeyError``)."""
+    return json.loads(data, object_pairs_hook=_no_duplicates)
+
+
+def json_load(f) -> Any:
+    """``json.load`` that refuses duplicate keys (``DuplicateKeyError``)."""
+    return json.load(f, object_pairs_hook=_no_duplicates)

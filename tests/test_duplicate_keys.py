@@ -166,3 +166,14 @@ def test_merge_keys_may_override_what_they_merge():
 
 def test_json_without_duplicates_reads_as_json_loads(plan_text):
     assert json_loads(plan_text) == json.loads(plan_text)
+
+
+def test_checkpoint_metadata_json_duplicate_refused(tmp_path):
+    # The backend named twice: the first would be read as torch_dist, the last wins in json.
+    (tmp_path / "metadata.json").write_text(
+        '{"sharded_backend": "zarr", "sharded_backend": "torch_dist", '
+        '"sharded_backend_version": 1}')
+    from dynatrain.checkpoint.format import CheckpointError, open_checkpoint
+
+    with pytest.raises(CheckpointError, match="sharded_backend"):
+        open_checkpoint(tmp_path)

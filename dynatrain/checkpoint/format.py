@@ -36,7 +36,6 @@ file linked to ``/etc/passwd``) is refused before it is opened, every time a fil
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import pickle
@@ -47,6 +46,7 @@ import torch
 
 from ..ir.box import Box
 from ..ir.errors import DynatrainError
+from ..ir.strict import DuplicateKeyError, json_load
 from ..ir.tiling import Fault, tiling_fault
 
 FORMATS = {("torch_dist", 1)}  # (sharded_backend, sharded_backend_version) read here
@@ -221,7 +221,9 @@ def _read_format(path: str, root: str) -> tuple[tuple[str, int], bool]:
         raise _fail(path, "no metadata.json (not a megatron dist checkpoint)")
     try:
         with open(meta, encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = json_load(f)  # a key written twice is refused, not last-one-wins
+    except DuplicateKeyError as err:
+        raise _fail(path, f"metadata.json: {err}") from None
     except (OSError, ValueError) as err:
         raise _fail(path, f"metadata.json is not JSON ({type(err).__name__})") from None
     if not isinstance(doc, dict):

@@ -18,8 +18,21 @@ Every name falls in one of three lists: ``MAPPED`` (read into the spec or checke
 ``UNSUPPORTED`` (changes the layout in a way DynaTrain does not model yet: a value other than
 the accepted ones is refused with one ``SpecError`` naming the argument) and ``IGNORED`` (no
 effect on where parameters and optimizer state live: learning rate, data, logging, kernels).
+The lists cover every argument of Megatron-LM's parser of 0.19.2 and core_v0.16.1 (and the
+core_v0.15.3 names since renamed or dropped), and every value Megatron-LM's training loop sets
+on ``args`` while it runs (``iteration``, ``do_train``, ``model_type``, ...), so the live
+``args`` of a running job read without a warning (tests/test_megatron_lm_args.py checks the
+installed Megatron-LM's parser and sources; tests/fixtures/megatron_lm holds core_v0.16.1's).
 A name in none of them (a newer Megatron, a fork) is not read; ``JobSpec.unknown`` lists it
 and ``spec_from_megatron`` warns with one line, so nothing is dropped without a word.
+
+Rules that changed between versions follow the job's megatron-core version (``megatron_core=``,
+default the installed one, which the spec then names): NullTokenizer's vocabulary.
+``dynatrain.runtime.megatron.lm_args.layout_args`` is the inverse for a layout switch: the
+argument values that make a job's ``args`` describe another spec of the same model.
+
+Citations: MT19/MT16 = Megatron-LM's megatron/training of 0.19.2 / core_v0.16.1, M19/M16 =
+megatron/core of those versions.
 """
 
 from __future__ import annotations
@@ -389,6 +402,9 @@ _IGNORED_LM = {
     # (megatron-core's DDP config keeps no_shard, distributed_data_parallel_config.py:100),
     # so every 0.19 job carries it.
     "fsdp only": "data_parallel_sharding_strategy",
+    # Megatron-LM's name (MT19 training.py:1995-1996) for the DDP config's
+    # param_name_patterns_for_fp32_local_accumulation (above, "ddp").
+    "ddp": "ddp_param_name_patterns_for_fp32_local_accumulation",
     # The vocabulary comes from padded_vocab_size (or vocab_size, padded): the tokenizer's own
     # files and ids do not change the rows once it is set. null_tokenizer_eod_id/pad_id are
     # ids inside NullTokenizer's vocab_size (M19 tokenizers/text/libraries/null_tokenizer.py:

@@ -346,3 +346,24 @@ def test_sequence_parallel_is_off_at_tp1_as_validate_args_turns_it() -> None:
     assert new["sequence_parallel"] is False
     started = _validated(DENSE + " --sequence-parallel", WORLD)
     assert new["sequence_parallel"] is started.sequence_parallel
+
+
+@needs_lm
+def test_a_job_without_vocab_size_gets_its_vocabulary_named() -> None:
+    """A tokenizer that is not NullTokenizer leaves vocab_size unset: the import takes the
+    padded rows (128 at TP 1) as the vocabulary. At TP 2 Megatron pads them to 256; the args
+    then name the 128, so that they read back as the same model and not a 256-token one."""
+    from dynatrain.runtime.megatron.lm_args import layout_args
+
+    args, _ = _live("dp4")
+    args.vocab_size, args.tokenizer_type = None, "HuggingFaceTokenizer"
+    job = read_megatron(args, (WORLD, WORLD))
+    assert job.spec.model.vocab_size == 128 and job.notes[0].startswith("vocab_size: unknown")
+    want = _expected("tp2-dp2")
+    new = layout_args(args, want)
+    assert (new["padded_vocab_size"], new["vocab_size"]) == (256, 128)
+    for name, value in new.items():
+        setattr(args, name, value)
+    assert _unnamed(_read(args)) == _unnamed(want)
+    args.vocab_size = None  # without it, the 256 rows would read as the vocabulary
+    assert _read(args).model.vocab_size == 256

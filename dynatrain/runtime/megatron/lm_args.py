@@ -31,8 +31,8 @@ from ...ir.from_job import read_megatron
 from ...ir.layout import Layout
 from ...ir.spec import LayoutSpec, ModelConfig
 
-# The two rank orders Megatron-LM's args can ask for (use_tp_pp_dp_mapping; M19
-# parallel_state.py builds the generator with order "tp-cp-ep-dp-pp" or "tp-cp-ep-pp-dp").
+# The two rank orders Megatron-LM's args can ask for (use_tp_pp_dp_mapping: MT19
+# initialize.py:388).
 _ORDERS = {"tp-cp-ep-dp-pp": False, "tp-cp-ep-pp-dp": True}
 
 
@@ -48,8 +48,10 @@ def layout_args(args: Any, spec: LayoutSpec) -> dict[str, Any]:
         Argument name -> value, to ``setattr`` on ``args`` before the job is rebuilt: world
         and parallel sizes, the virtual pipeline and pipeline split, sequence parallelism,
         the rank order, the DDP and distributed-optimizer settings of the spec, the padded
-        vocabulary (Megatron-LM's own function) and, for megatron-core 0.19, the generalized
-        TP shard counts.
+        vocabulary (Megatron-LM's own function), for megatron-core 0.19 the generalized TP
+        shard counts; ``overlap_p2p_comm``/``align_param_gather`` where validate_args ties
+        them to interleaving, and ``vocab_size`` where the job's args lack it (the
+        vocabulary the import took from the padded rows, so that they read back the same).
 
     Raises:
         SpecError: one line naming the field or argument: a spec the args cannot describe
@@ -89,7 +91,7 @@ def layout_args(args: Any, spec: LayoutSpec) -> dict[str, Any]:
         "use_distributed_optimizer": p.use_distributed_optimizer,
         "num_distributed_optimizer_instances": p.num_distributed_optimizer_instances,
         "overlap_grad_reduce": p.overlap_grad_reduce,
-        "ddp_bucket_size": _bucket_size(a, spec, layout),
+        "ddp_bucket_size": _bucket_size(spec, layout),
         "ddp_pad_buckets_for_high_nccl_busbw": p.pad_buckets_for_high_nccl_busbw,
         "padded_vocab_size": padded_vocab_size(spec.model.vocab_size,
                                                spec.model.make_vocab_size_divisible_by, tp),
@@ -97,7 +99,7 @@ def layout_args(args: Any, spec: LayoutSpec) -> dict[str, Any]:
     out.update(_pipeline(spec))
     if out["virtual_pipeline_model_parallel_size"] is None:
         # Non-interleaved schedules overlap no P2P and align no param gather (MT19
-        # arguments.py:976-979; MT16 arguments.py:583-586).
+        # arguments.py:976-979; MT16 arguments.py:583-585).
         out.update(overlap_p2p_comm=False, align_param_gather=False)
     elif a.get("virtual_pipeline_model_parallel_size") is None:
         # The job's layout was not interleaved, so validate_args had turned both off: its
@@ -124,7 +126,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     Megatron-LM 0.19's tokenizer sets ``args.padded_vocab_size`` with megatron-core's
     ``vocab_size_with_padding`` (M19 tokenizers/utils/build_tokenizer.py:124-143); 0.16's with
     ``megatron.training.tokenizer.tokenizer._vocab_size_with_padding`` (MT16 tokenizer.py:
-    110-130). Both round ``vocab_size`` up to a multiple of ``divisible_by * tp``.
+    109-130). Both round ``vocab_size`` up to a multiple of ``divisible_by * tp``.
     """
     ns = SimpleNamespace(make_vocab_size_divisible_by=divisible_by,
                          tensor_model_parallel_size=tp, rank=0)
@@ -158,7 +160,7 @@ def _pipeline(spec: LayoutSpec) -> dict[str, Any]:
     }
 
 
-def _bucket_size(a: dict[str, Any], spec: LayoutSpec, layout: Layout) -> int | None:
+def _bucket_size(spec: LayoutSpec, layout: Layout) -> int | None:
     """The spec's DDP bucket size in Megatron-LM's terms.
 
     A spec without one means megatron-core DDP's default, max(40M, 1M x DP) (ir.layout); Megatron-LM

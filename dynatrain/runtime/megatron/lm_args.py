@@ -15,7 +15,10 @@ field) a spec that the job's args cannot describe (another model, dtypes or pipe
 and a layout that Megatron-LM's own checks of the job's other arguments would refuse.
 
 Not set here: ``rank`` (each process's own: ``torch.distributed.get_rank()``, MT19
-initialize.py:274) and the batch sizes, which a switch keeps.
+initialize.py:274) and the batch sizes. A switch keeps ``global_batch_size`` even where
+validate_args derived it from the old DP size (micro batch x DP, MT19 arguments.py:684-685):
+the training keeps its batch, and a layout whose micro batch x DP does not divide it is
+refused, as Megatron-LM's microbatch calculator would refuse it.
 """
 
 from __future__ import annotations

@@ -804,7 +804,7 @@ def null_tokenizer_adds_eod(version: str) -> bool:
     global_vars.py:15) and megatron/core/tokenizers/text/libraries/null_tokenizer.py:50-52 of
     0.16.1 and 0.17.x. From core_v0.18.0 on, ``vocab_size`` is the given one and the EOD is its
     last id (M19 tokenizers/text/libraries/null_tokenizer.py:16-20, 59-62), built by
-    tokenizers/utils/build_tokenizer.py:87-107 (MT19 global_vars.py imports that one).
+    tokenizers/utils/build_tokenizer.py:87-107 (MT19 global_vars.py:17 imports that one).
     """
     return versions.series_key(version) < (0, 18)
 

@@ -73,13 +73,21 @@ def _named_like(spec, ref):
     return spec.model_copy(update={"name": ref.name})
 
 
+def _load_sp(path):
+    """A shipped spec as the args above describe it: with sequence parallelism (which the
+    shipped YAML leaves at its default, off; it changes no layout fact)."""
+    ref = load_spec(ROOT / path)
+    return ref.model_copy(update={"parallel": ref.parallel.model_copy(
+        update={"sequence_parallel": True})})
+
+
 @pytest.mark.parametrize("args, world, path", [
     (LLAMA70_ARGS, W16, "specs/llama3.1-70b/tp8-pp4-dp4.yaml"),
     (QWEN235_ARGS, W32, "specs/qwen3-235b-a22b/tp4-pp8-ep16-256gpu.yaml"),
 ], ids=["llama70b-tp8-pp4", "qwen235b-tp4-pp8-ep16"])
 def test_args_give_the_shipped_spec(args, world, path) -> None:
     job = read_megatron(args, world)
-    ref = load_spec(ROOT / path)
+    ref = _load_sp(path)
     assert job.unknown == () and job.notes == ()
     assert _named_like(job.spec, ref) == ref
     _same_facts(job.spec, ref, (0, 37, Layout(ref).world - 1))
@@ -91,7 +99,7 @@ def test_namespace_and_validated_values() -> None:
     ns = Namespace(**LLAMA70_ARGS, data_parallel_size=4, params_dtype="torch.bfloat16",
                    transformer_pipeline_model_parallel_size=4, expert_tensor_parallel_size=8,
                    virtual_pipeline_model_parallel_size=None, padded_vocab_size=129024)
-    ref = load_spec(ROOT / "specs/llama3.1-70b/tp8-pp4-dp4.yaml")
+    ref = _load_sp("specs/llama3.1-70b/tp8-pp4-dp4.yaml")
     assert _named_like(spec_from_megatron(ns, (128, 8)), ref) == ref
 
 
@@ -104,13 +112,21 @@ def test_padded_vocab_only_keeps_the_layout() -> None:
     _same_facts(job.spec, ref, (0, 127))
 
 
-def test_null_tokenizer_adds_its_eod_token() -> None:
-    args = {**LLAMA70_ARGS, "tokenizer_type": "NullTokenizer", "vocab_size": 1023,
+def test_null_tokenizer_adds_its_eod_token_before_0_18() -> None:
+    """Megatron-LM 0.16's NullTokenizer has vocab_size + 1 tokens; from megatron-core 0.18 on
+    exactly vocab_size (from_job.null_tokenizer_adds_eod cites both)."""
+    args = {**LLAMA70_ARGS, "tokenizer_type": "NullTokenizer", "vocab_size": 1024,
             "make_vocab_size_divisible_by": 128, "tensor_model_parallel_size": 8}
-    assert read_megatron(args, W16).spec.model.vocab_size == 1024
-    with pytest.raises(SpecError) as err:  # 1024 tokens pad to 1024, not 2048
-        read_megatron({**args, "padded_vocab_size": 2048}, W16)
-    assert str(err.value).startswith("padded_vocab_size: disagrees with a vocabulary of 1024")
+    old = read_megatron(args, W16, megatron_core="0.16.1").spec
+    assert (old.model.vocab_size, old.megatron_core) == (1025, "0.16.1")
+    with pytest.raises(SpecError) as err:  # 1025 tokens pad to 2048, not 1024
+        read_megatron({**args, "padded_vocab_size": 1024}, W16, megatron_core="0.16.1")
+    assert str(err.value).startswith("padded_vocab_size: disagrees with a vocabulary of 1025")
+    new = read_megatron({**args, "padded_vocab_size": 1024}, W16, megatron_core="0.19.2").spec
+    assert (new.model.vocab_size, new.megatron_core) == (1024, "0.19.2")
+    with pytest.raises(SpecError) as err:
+        read_megatron(args, W16, megatron_core="0.15.3")
+    assert str(err.value).startswith("megatron_core: no known layout rules for megatron-core")
 
 
 def test_megatron_defaults_fill_missing_names() -> None:
@@ -131,7 +147,7 @@ def test_megatron_defaults_fill_missing_names() -> None:
 def test_virtual_pipeline_from_layers_per_stage() -> None:
     args = {**LLAMA70_ARGS, "tensor_model_parallel_size": 4, "overlap_grad_reduce": True,
             "num_layers_per_virtual_pipeline_stage": 4}
-    ref = load_spec(ROOT / "specs/llama3.1-70b/tp4-pp4-vpp5-dp8.yaml")
+    ref = _load_sp("specs/llama3.1-70b/tp4-pp4-vpp5-dp8.yaml")
     spec = read_megatron(args, W16).spec
     assert _named_like(spec, ref) == ref
     _same_facts(spec, ref, (0, 5))

@@ -8,6 +8,7 @@ import pytest
 
 from dynatrain.ir.errors import SpecError
 from dynatrain.ir.from_job import IGNORED, MAPPED, UNSUPPORTED, read_megatron
+from dynatrain.ir.layout import Layout
 
 ARGS = dict(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
             group_query_attention=True, num_query_groups=4, swiglu=True,
@@ -44,10 +45,21 @@ def test_unmodelled_expert_layouts_are_refused_in_one_line(change: dict, start: 
     assert str(err.value).startswith(start) and "\n" not in str(err.value)
 
 
-def test_sequence_parallel_is_known_and_changes_nothing() -> None:
-    assert "sequence_parallel" in IGNORED
-    assert {"transformer_impl", "moe_grouped_gemm"} <= MAPPED
-    assert not {"transformer_impl", "moe_grouped_gemm"} & (UNSUPPORTED.keys() | IGNORED)
+def test_sequence_parallel_is_read_and_changes_no_layout_fact() -> None:
+    """--sequence-parallel goes into parallel.sequence_parallel (off at TP 1, as validate_args
+    turns it off); it changes no layout fact (tests/test_te_layout.py)."""
+    assert {"transformer_impl", "moe_grouped_gemm", "sequence_parallel"} <= MAPPED
+    assert not {"transformer_impl", "moe_grouped_gemm", "sequence_parallel"} & (
+        UNSUPPORTED.keys() | IGNORED)
     a = read_megatron(ARGS, W).spec
     b = read_megatron(dict(ARGS, sequence_parallel=False), W).spec
-    assert a == b
+    assert (a.parallel.sequence_parallel, b.parallel.sequence_parallel) == (True, False)
+    assert a.model_copy(update={"parallel": b.parallel}) == b
+    la, lb = Layout(a), Layout(b)
+    assert all(la.rank_shards(r) == lb.rank_shards(r) and la.rank_buffers(r) == lb.rank_buffers(r)
+               for r in range(la.world))
+    tp1 = read_megatron(dict(ARGS, tensor_model_parallel_size=1), W).spec
+    assert tp1.parallel.sequence_parallel is False
+    with pytest.raises(SpecError) as err:
+        read_megatron(dict(ARGS, sequence_parallel="yes"), W)
+    assert str(err.value).startswith("sequence_parallel: ")

@@ -18,8 +18,21 @@ Every name falls in one of three lists: ``MAPPED`` (read into the spec or checke
 ``UNSUPPORTED`` (changes the layout in a way DynaTrain does not model yet: a value other than
 the accepted ones is refused with one ``SpecError`` naming the argument) and ``IGNORED`` (no
 effect on where parameters and optimizer state live: learning rate, data, logging, kernels).
+The lists cover every argument of Megatron-LM's parser of 0.19.2 and core_v0.16.1 (and the
+core_v0.15.3 names since renamed or dropped), and every value Megatron-LM's training loop sets
+on ``args`` while it runs (``iteration``, ``do_train``, ``model_type``, ...), so the live
+``args`` of a running job read without a warning (tests/test_megatron_lm_args.py checks the
+installed Megatron-LM's parser and sources; tests/fixtures/megatron_lm holds core_v0.16.1's).
 A name in none of them (a newer Megatron, a fork) is not read; ``JobSpec.unknown`` lists it
 and ``spec_from_megatron`` warns with one line, so nothing is dropped without a word.
+
+Rules that changed between versions follow the job's megatron-core version (``megatron_core=``,
+default the installed one, which the spec then names): NullTokenizer's vocabulary.
+``dynatrain.runtime.megatron.lm_args.layout_args`` is the inverse for a layout switch: the
+argument values that make a job's ``args`` describe another spec of the same model.
+
+Citations: MT19/MT16 = Megatron-LM's megatron/training of 0.19.2 / core_v0.16.1, M19/M16 =
+megatron/core of those versions.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import versions
 from .errors import SpecError
 from .loader import spec_from_dict
 from .spec import LayoutSpec
@@ -65,6 +79,9 @@ _DEFAULTS: dict[str, Any] = dict(
     tensor_parallel_num_weight_shards=None, expert_tensor_parallel_num_weight_shards=None,
     # 0.19 adds "quantile_balancing", whose router keeps a persistent per-expert bias.
     moe_router_load_balancing_type="aux_loss",
+    # Read into parallel.sequence_parallel; validate_args turns it off at TP 1 (MT19
+    # arguments.py:1393-1399, MT16 arguments.py:907-912), and so does the import.
+    sequence_parallel=False,
 )
 MAPPED = frozenset(_DEFAULTS)
 
@@ -112,10 +129,18 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_megatron_fsdp": ((False,), "Megatron FSDP"),
     "use_custom_fsdp": ((False,), "Megatron FSDP"),
     "use_torch_fsdp2": ((False,), "torch FSDP2"),
-    "data_parallel_sharding_strategy": (("no_shard",), "FSDP sharding"),
     "ddp_num_buckets": ((None,), "a bucket count (its size depends on each rank's "
                         "parameters); give ddp_bucket_size"),
     "optimizer_cpu_offload": ((False,), "optimizer state offloaded to the CPU"),
+    # Megatron-LM sets it at run time when it loads a ModelOpt checkpoint (MT16
+    # training.py:1168-1177): the model then comes from ModelOpt's provider (quantizers,
+    # distillation teachers), not the GPT layout DynaTrain models.
+    "modelopt_enabled": ((False,), "ModelOpt models"),
+    # Before 0.16 (core_v0.15.3 arguments.py:1298-1303): they turn kitchen quantization on.
+    "kitchen_config_file": ((None, ""), "kitchen quantization"),
+    "kitchen_recipe_number": ((None,), "kitchen quantization"),
+    # Before 0.16 (core_v0.15.3 arguments.py:1507-1510): a Retro model's retriever encoder.
+    "retro_add_retriever": ((False,), "Retro models"),
     # ---- megatron-core 0.19 ----
     # Generalized TP: weights sharded over TP x GTP_remat (M19 model_parallel_config.py:58-75,
     # 135-152; tensor_parallel/generalized_tensor_parallelism.py:1-17).
@@ -275,7 +300,7 @@ rl_use_sequence_packing rl_verify_model_weights_swap rope_scaling_factor rope_ty
 rotary_interleaved rotary_percent rotary_scaling_factor rotary_seq_len_interpolation_factor
 run_workload_inspector_server sample_rate save save_dgrads_interval save_interval
 save_retain_interval save_wgrads_interval scatter_gather_tensors_in_pipeline seed seq_length
-sequence_parallel sft sft_tokenizer_prompt_format sgd_momentum sharp_enabled_group
+sft sft_tokenizer_prompt_format sgd_momentum sharp_enabled_group
 short_seq_prob skip_train skipped_train_samples softmax_scale split squared_relu
 start_weight_decay straggler_ctrlr_port straggler_minmax_count strict_fsdp_dtensor_load
 suggested_communication_unit_size swin_backbone_type symmetric_ar_type te_rng_tracker
@@ -356,9 +381,116 @@ _IGNORED_19 = {
         megatron_fsdp_use_decoupled_grad megatron_fsdp_cuda_graph_mode
         megatron_fsdp_enable_fine_grained_param_gather megatron_fsdp_max_pool_double_buffer""",
 }
+# Megatron-LM's own names beyond megatron-core's configs: the 0.19.2 parser's new arguments
+# (MT19 = megatron/training 0.19.2; each checked against where it is read), the values its
+# training loop sets on ``args`` at run time (every ``args.X = ...`` outside the parser in
+# MT19 and core_v0.16.1's megatron/training), and names of earlier parsers (core_v0.15.3).
+_IGNORED_LM = {
+    # Set while the job runs: progress counters, flags of which splits have data, the model
+    # type (ModelType has one member, encoder_or_decoder, in 0.16.1 and 0.19.2: M19 enums.py:6-9).
+    # MT19 training.py:1709 (model_type), 1421 and 3811 (curr_iteration), 2170-2226
+    # (num_floating_point_operations_so_far, iteration), 3934 (consumed_train_bins),
+    # 4595-4597 (do_train, do_valid, do_test); checkpointing.py:1855 (iteration);
+    # arguments.py:133 (_is_global_batch_size_explicitly_specified), 543
+    # (grpo_samples_per_iteration); MT16 training.py:3417 (to_test).
+    "run time": """
+        do_train do_valid do_test iteration curr_iteration model_type
+        num_floating_point_operations_so_far consumed_train_bins grpo_samples_per_iteration
+        _is_global_batch_size_explicitly_specified to_test""",
+    # Only read under use_megatron_fsdp (refused): MT19 arguments.py:1100-1163 and M19
+    # optimizer/__init__.py:1083-1090. Megatron-LM 0.19's default is optim_grads_params
+    # (megatron-core's DDP config keeps no_shard, distributed_data_parallel_config.py:100),
+    # so every 0.19 job carries it.
+    "fsdp only": "data_parallel_sharding_strategy",
+    # Megatron-LM's name (MT19 training.py:1995-1996) for the DDP config's
+    # param_name_patterns_for_fp32_local_accumulation (above, "ddp").
+    "ddp": "ddp_param_name_patterns_for_fp32_local_accumulation",
+    # The vocabulary comes from padded_vocab_size (or vocab_size, padded): the tokenizer's own
+    # files and ids do not change the rows once it is set. null_tokenizer_eod_id/pad_id are
+    # ids inside NullTokenizer's vocab_size (M19 tokenizers/text/libraries/null_tokenizer.py:
+    # 16-20, 59-62). pad_vocab_size=False leaves padded_vocab_size unset and the model still
+    # pads vocab_size (MT19 argument_utils.py:473-479, models/gpt.py:284-291).
+    "tokenizer": """
+        chat_template metadata_path special_tokens tokenizer_hf_no_include_special_tokens
+        tokenizer_hf_no_use_fast tokenizer_sentencepiece_ignore_extra_whitespaces
+        null_tokenizer_eod_id null_tokenizer_pad_id pad_vocab_size""",
+    "checkpointing": """
+        async_ckpt_cpu_priority async_ckpt_io_priority async_ckpt_use_cpu_shm async_strategy
+        ckpt_fully_parallel_load_exchange_algo ckpt_fully_parallel_load_process_group
+        ckpt_fully_parallel_save_process_group ckpt_load_validate_sharding_integrity
+        dist_ckpt_workers override_ckpt_iteration stream_ckpt_dequant verify_integrity
+        disable_msc_deprecated""",
+    "data and batches": """
+        dataloader_inter_document_masking eval_global_batch_size eval_micro_batch_size
+        step_batch_size_schedule start_eval_at_iter validation_set_names""",
+    # Distillation logits written or read as data (MT19 arguments.py logits_* group), not
+    # parameters; traces and dumps of activations, params and routing.
+    "logging and fault tolerance": """
+        exit_signal_handler_for_training fault_injector_delay_start_iteration
+        fault_injector_fault_delay fault_injector_fault_probabilities fault_injector_fault_types
+        fault_injector_mtti_seconds fault_injector_num_ranks fault_injector_offset_seconds
+        fault_injector_ranks fault_injector_seed flight_recorder_dump_on_timeout
+        flight_recorder_dump_path flight_recorder_extra_dump_on_exec
+        flight_recorder_include_only_active flight_recorder_include_stack_trace
+        flight_recorder_trace_buffer_size gpu_sniff_test_interval nvtx_ranges record_shapes
+        pytorch_profiler_collect_callstack pytorch_profiler_collect_chakra
+        pytorch_profiler_collect_shapes moe_routing_trace_capture_hidden_states
+        moe_routing_trace_capture_logits moe_routing_trace_dump_weights
+        moe_routing_trace_max_training_iters moe_routing_trace_path save_activations_interval
+        save_params_interval save_tokens_per_expert_interval logits_load_decode_threads
+        logits_load_dir logits_load_ignore_errors logits_load_kd_loss_alpha
+        logits_load_msc_prefetch_depth logits_load_prefetch_factor logits_save_dir
+        logits_save_dtype logits_save_top_k logits_save_top_p logits_save_top_p_min_k""",
+    "inference and RL": """
+        enable_chunked_prefill inference_cuda_graph_all_prefills inference_cuda_graph_max_tokens
+        inference_disable_ep_consensus inference_dynamic_batching_async_sched_mode
+        inference_dynamic_batching_cuda_graph_sizing_distribution
+        inference_dynamic_batching_enable_prefix_caching inference_dynamic_batching_logprobs_mode
+        inference_dynamic_batching_mamba_memory_ratio
+        inference_dynamic_batching_prefix_caching_coordinator_policy
+        inference_dynamic_batching_prefix_caching_eviction_policy
+        inference_dynamic_batching_prefix_caching_mamba_gb
+        inference_dynamic_batching_prefix_caching_routing_alpha
+        inference_dynamic_batching_sampling_backend
+        inference_dynamic_batching_track_generated_token_events inference_max_requests
+        inference_shards inference_text_gen_server_logging
+        inference_use_synchronous_zmq_collectives mamba_inference_conv_states_dtype
+        mamba_inference_ssm_states_dtype num_speculative_tokens offset_sampling_seed_by_dp_rank
+        rl_consumption_granularity rl_generation_lag rl_inference_parsers
+        rl_kv_cache_management_mode rl_persist_cuda_graphs rl_profile rl_profile_dir
+        rl_submission_granularity""",
+    # Only with features refused elsewhere: optimizers other than Adam (``optimizer``), the
+    # layer-wise distributed optimizer (use_layer_wise_param_layout, MT19 training.py:
+    # 1635-1642), MLA (mla_down_proj_fusion). YaRN's frequencies are non-persistent buffers
+    # (M19 models/common/embeddings/yarn_rotary_pos_embedding.py:196-201); the spec refuses
+    # position_embedding_type yarn by name anyway.
+    "refused or parameter-free features": """
+        lion_beta1 lion_beta2 muon_coefficient_type muon_nesterov muon_scalar_optimizer
+        use_layer_wise_param_layout mla_down_proj_fusion yarn_beta_fast yarn_beta_slow
+        yarn_correction_range_round_to_int yarn_original_max_position_embeddings""",
+    # A capturable Adam keeps its per-parameter step as a tensor on the device, which the step
+    # transfer keeps (runtime bridge._write_step: full_like the old one); the CUDA graph of
+    # the step is Megatron-LM's wrapper around the optimizer (MT19 training.py:3633-3638),
+    # like the model's CUDA graphs (cuda_graph_impl) a property of the built job, not of the
+    # layout. use_gloo_process_groups adds CPU groups beside the NCCL ones.
+    "kernels and process groups": """
+        optimizer_cuda_graph use_gloo_process_groups cuda_graph_scope_deprecated""",
+    # Earlier names (core_v0.15.3 arguments.py:1631-1635: norm values, not shapes; the Retro
+    # retriever's and older GRPO/inference/Mamba options beside the refused features).
+    "before 0.16": """
+        norm_epsilon apply_layernorm_1p disable_mamba_mem_eff_path grpo_default_temperature
+        grpo_default_top_p inference_dynamic_batching_buffer_guaranteed_fraction
+        inference_dynamic_batching_buffer_overflow_factor
+        inference_dynamic_batching_max_requests_override
+        inference_dynamic_batching_max_tokens_override retriever_seq_length
+        retro_cyclic_train_iters retro_encoder_attention_dropout retro_encoder_hidden_dropout
+        retro_encoder_layers retro_project_dir rl_calculate_intra_group_similarity
+        rl_sequence_packing_bin_size""",
+}
 # (moe_router_load_balancing_type, ignored for 0.16, is checked since 0.19's quantile
 # balancing: _DEFAULTS.)
-IGNORED = frozenset(_IGNORED_16.split()).union(*(names.split() for names in _IGNORED_19.values()))
+IGNORED = frozenset(_IGNORED_16.split()).union(
+    *(names.split() for names in (*_IGNORED_19.values(), *_IGNORED_LM.values())))
 
 # megatron-core config fields named differently from Megatron-LM's arguments.
 _CORE_NAMES = {
@@ -405,18 +537,20 @@ class JobSpec:
 
 
 def spec_from_megatron(args_or_config: Any, world: Any, *, ddp_config: Any = None,
-                       extra: Mapping[str, Any] | None = None,
-                       name: str | None = None) -> LayoutSpec:
+                       extra: Mapping[str, Any] | None = None, name: str | None = None,
+                       megatron_core: str | None = None) -> LayoutSpec:
     """The ``LayoutSpec`` of a Megatron job; warns (``UnknownArgumentsWarning``) about names
     it did not read. See ``read_megatron`` for the arguments."""
-    job = read_megatron(args_or_config, world, ddp_config=ddp_config, extra=extra, name=name)
+    job = read_megatron(args_or_config, world, ddp_config=ddp_config, extra=extra, name=name,
+                        megatron_core=megatron_core)
     if (line := job.warning()) is not None:
         warnings.warn(line, UnknownArgumentsWarning, stacklevel=2)
     return job.spec
 
 
 def read_megatron(args_or_config: Any, world: Any, *, ddp_config: Any = None,
-                  extra: Mapping[str, Any] | None = None, name: str | None = None) -> JobSpec:
+                  extra: Mapping[str, Any] | None = None, name: str | None = None,
+                  megatron_core: str | None = None) -> JobSpec:
     """Map a job's settings onto a spec.
 
     Args:
@@ -428,6 +562,9 @@ def read_megatron(args_or_config: Any, world: Any, *, ddp_config: Any = None,
         ddp_config: megatron-core's ``DistributedDataParallelConfig`` (config path only).
         extra: more settings in Megatron-LM's argument names; they win over the others.
         name: the spec's name; by default one is made from the sizes.
+        megatron_core: the job's megatron-core version (default: the installed one, as a spec
+            without ``megatron_core`` means); the spec names it, and it decides the rules
+            that changed between versions (NullTokenizer's vocabulary).
 
     Raises:
         SpecError: one line naming the argument: unsupported, inconsistent or invalid.
@@ -464,8 +601,14 @@ def read_megatron(args_or_config: Any, world: Any, *, ddp_config: Any = None,
     def label(arg: str) -> str:  # the name the caller used for an argument
         return labels.get(arg, arg)
 
+    try:
+        version = versions.normalize(versions.default() if megatron_core is None
+                                     else megatron_core)
+    except ValueError as err:
+        raise SpecError("megatron_core", str(err), _plain(megatron_core)) from None
     _refuse_unsupported(a, label)
-    doc, origin, notes = _document(a, world, label, training=source == "args")
+    doc, origin, notes = _document(a, world, label, training=source == "args",
+                                   version=version)
     if name is not None:
         doc["name"] = name
     try:
@@ -538,8 +681,8 @@ def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:
                         "modelled)", a["optimizer"])
 
 
-def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, training: bool
-              ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, training: bool,
+              version: str) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """The spec document, the argument behind each spec field, and notes."""
     notes: list[str] = []
     origin = {f"model.{k}": label(k) for k in _MODEL_SAME}
@@ -552,11 +695,13 @@ def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, tra
         "ddp_pad_buckets_for_high_nccl_busbw")
     origin["parallel.pipeline_model_parallel_layout"] = label("pipeline_model_parallel_layout")
     origin["parallel.order"] = label("use_tp_pp_dp_mapping")
+    origin["parallel.sequence_parallel"] = label("sequence_parallel")
     for field in ("transformer_impl", "moe_grouped_gemm"):
         origin[f"model.{field}"] = label(field)
 
     model = {k: a[k] for k in _MODEL_SAME if a[k] is not None}
-    model["num_moe_experts"] = a["num_experts"]
+    # validate_args: 0 experts means a dense model (MT19 arguments.py:1593-1594, MT16 1014-1015).
+    model["num_moe_experts"] = None if a["num_experts"] == 0 else a["num_experts"]
     model["swiglu"] = a["swiglu"]
     if a["ffn_hidden_size"] is None and isinstance(a["hidden_size"], int):
         h = a["hidden_size"]  # validate_args' default: SwiGLU keeps ~8h^2 MLP params
@@ -568,7 +713,7 @@ def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, tra
     model["transformer_impl"] = _plain(a["transformer_impl"])
     model["moe_grouped_gemm"] = a["moe_grouped_gemm"]
     tp = a["tensor_model_parallel_size"]
-    model["vocab_size"] = _vocab(a, tp, label, notes)
+    model["vocab_size"] = _vocab(a, tp, label, notes, version)
     if model.get("position_embedding_type") == "learned_absolute" and (
             a["max_position_embeddings"] is None):
         raise SpecError(label("max_position_embeddings"),
@@ -580,6 +725,9 @@ def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, tra
         del parallel["etp"]  # validate_args sets ETP = TP; the spec's None means the same
     if a["ddp_bucket_size"] is not None:
         parallel["bucket_size"] = a["ddp_bucket_size"]
+    # Megatron-LM turns sequence parallelism off at TP 1 (MT19 arguments.py:1393-1399).
+    sp = a["sequence_parallel"]
+    parallel["sequence_parallel"] = False if sp is True and tp == 1 else sp
     parallel["order"] = "tp-cp-ep-pp-dp" if a["use_tp_pp_dp_mapping"] else "tp-cp-ep-dp-pp"
     layout = _layout(a["pipeline_model_parallel_layout"], label)
     if layout is not None:
@@ -619,7 +767,7 @@ def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, tra
             notes.append(f"bucket_size: Megatron-LM's default for DP*CP={dp * cp}")
 
     doc = {"name": _name(a, size, mp), "model": model, "parallel": parallel, "world": world_doc,
-           "state": _state(a, label)}
+           "state": _state(a, label), "megatron_core": version}
     return doc, origin, notes
 
 
@@ -647,11 +795,27 @@ def _int(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
-def _vocab(a: dict[str, Any], tp: Any, label: Callable[[str], str], notes: list[str]) -> Any:
+def null_tokenizer_adds_eod(version: str) -> bool:
+    """Whether Megatron-LM's NullTokenizer of this megatron-core version has ``vocab_size + 1``
+    tokens (its EOD appended) or exactly ``vocab_size``.
+
+    Before 0.18 it appended the EOD: core_v0.16.1 megatron/training/tokenizer/tokenizer.py:
+    813-835 (``_vocab_size_without_eod + 1``; the tokenizer Megatron-LM 0.16 builds,
+    global_vars.py:15) and megatron/core/tokenizers/text/libraries/null_tokenizer.py:50-52 of
+    0.16.1 and 0.17.x. From core_v0.18.0 on, ``vocab_size`` is the given one and the EOD is its
+    last id (M19 tokenizers/text/libraries/null_tokenizer.py:16-20, 59-62), built by
+    tokenizers/utils/build_tokenizer.py:87-107 (MT19 global_vars.py:17 imports that one).
+    """
+    return versions.series_key(version) < (0, 18)
+
+
+def _vocab(a: dict[str, Any], tp: Any, label: Callable[[str], str], notes: list[str],
+           version: str) -> Any:
     """The tokenizer's vocabulary (what Megatron pads), checked against padded_vocab_size."""
     padded, vocab, m = a["padded_vocab_size"], a["vocab_size"], a["make_vocab_size_divisible_by"]
-    if vocab is not None and a["tokenizer_type"] == "NullTokenizer" and _int(vocab):
-        vocab += 1  # Megatron-LM's NullTokenizer appends an EOD token
+    if vocab is not None and a["tokenizer_type"] == "NullTokenizer" and _int(vocab) and (
+            null_tokenizer_adds_eod(version)):
+        vocab += 1
     if padded is None:
         if vocab is None:
             raise SpecError(label("padded_vocab_size"), "is required (or vocab_size): "

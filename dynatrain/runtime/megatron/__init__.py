@@ -9,8 +9,9 @@ from .bridge import STEP_KEY, SlotSpec, extract_state, install_state, read_step,
 from .job import (GlobalState, MegatronJob, Prepared, RecoveryFailed, Refill, SwitchFailed, SwitchResult,
                   parallel_kwargs)
 from .live import LiveSwitcher
+from .lm_args import layout_args
 from .rendezvous import Rendezvous, RendezvousTimeout
 
 __all__ = ["STEP_KEY", "GlobalState", "LiveSwitcher", "MegatronJob", "Prepared", "RecoveryFailed", "Refill",
            "Rendezvous", "RendezvousTimeout", "SlotSpec", "SwitchFailed", "SwitchResult", "extract_state",
-           "install_state", "parallel_kwargs", "read_step", "storage_spec"]
+           "install_state", "layout_args", "parallel_kwargs", "read_step", "storage_spec"]

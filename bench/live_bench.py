@@ -63,8 +63,8 @@ from dynatrain.ir.layout import Layout  # noqa: E402
 from dynatrain.ir.state import view_of  # noqa: E402
 from dynatrain.planner.cost import PRESETS, predicted_downtime  # noqa: E402
 from dynatrain.planner.pipeline import plan_transition  # noqa: E402
-from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous, extract_state,  # noqa: E402
-                                        install_state, parallel_kwargs)
+from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous, cpu,  # noqa: E402
+                                        extract_state, install_state, parallel_kwargs)
 from dynatrain.verify.check import check  # noqa: E402
 
 TRAIN_PER_LAYOUT = 2  # iterations trained in each layout before its next switch
@@ -73,14 +73,14 @@ TRAIN_PER_LAYOUT = 2  # iterations trained in each layout before its next switch
 def worker(device: str, model: str, store_path: str, tmpdir: str, args) -> None:
     from megatron.core import parallel_state as ps
 
-    mcore_job.set_device(int(device.rsplit("gpu", 1)[1]))
+    cpu.set_device(int(device.rsplit("gpu", 1)[1]))
     store = dist.FileStore(store_path, -1)
-    rdzv = Rendezvous(store, mcore_job.backend(), prefix=f"bench-{model}", timeout=300)
+    rdzv = Rendezvous(store, cpu.backend(), prefix=f"bench-{model}", timeout=300)
     mdict = example.MODELS[model]
     specs = [example.spec(mdict, n, p, k) for _, n, p, k, _ in example.SCHEDULES[model]]
     trainer = mcore_job.GlobalBatch(args.global_batch, args.seq, example.BASE["vocab_size"])
     kw = dict(rendezvous=rdzv, timeout=300, init_kwargs=mcore_job.init_kwargs())
-    with mcore_job.cpu_shim():
+    with cpu.cpu_shim():
         job = None
         if device in Layout(specs[0]).devices:
             rdzv.form("start", Layout(specs[0]).devices, device)
@@ -275,7 +275,7 @@ def predictions(model: str) -> list[dict]:
     (``LiveSwitcher``'s default budget and topology), on this backend's preset."""
     mdict = example.MODELS[model]
     specs = [example.spec(mdict, n, p, k) for _, n, p, k, _ in example.SCHEDULES[model]]
-    topo = PRESETS["gloo-local" if mcore_job.backend() == "gloo" else "h100"]
+    topo = PRESETS["gloo-local" if cpu.backend() == "gloo" else "h100"]
     out = []
     for a, b in zip(specs, specs[1:]):
         d = predicted_downtime(plan_transition(Layout(a), Layout(b), 2 << 30), topo)
@@ -333,7 +333,7 @@ def main() -> None:
     t0 = time.perf_counter()
     out: dict = {"environment": {"python": platform.python_version(), "torch": torch.__version__,
                                  "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-                                 "backend": mcore_job.backend()},
+                                 "backend": cpu.backend()},
                  "global_batch": args.global_batch, "seq": args.seq, "models": {}}
     all_recs = []
     for model in models:

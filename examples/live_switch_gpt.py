@@ -144,7 +144,7 @@ from dynatrain.ir.loader import spec_from_dict  # noqa: E402
 from dynatrain.planner.cost import PRESETS, predicted_downtime  # noqa: E402
 from dynatrain.report.summary import plural  # noqa: E402
 from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous,  # noqa: E402
-                                        RendezvousTimeout, SwitchFailed, parallel_kwargs)
+                                        RendezvousTimeout, SwitchFailed, cpu, parallel_kwargs)
 from dynatrain.verify.check import check  # noqa: E402
 
 
@@ -164,16 +164,16 @@ def label(s) -> str:
 def main(args: argparse.Namespace) -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     device = f"node{os.environ.get('GROUP_RANK', '0')}:gpu{local_rank}"
-    mcore_job.set_device(local_rank)
+    cpu.set_device(local_rank)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT))
-    rdzv = Rendezvous(store, mcore_job.backend(), prefix="live-switch-gpt", timeout=TIMEOUT)
+    rdzv = Rendezvous(store, cpu.backend(), prefix="live-switch-gpt", timeout=TIMEOUT)
     model = MODELS[args.model]
     schedule = [(it, spec(model, n, p, k), why) for it, n, p, k, why in SCHEDULES[args.model]]
     if args.no_switch:
         schedule = schedule[:1]
     try:
-        with mcore_job.cpu_shim():
+        with cpu.cpu_shim():
             run(device, rdzv, schedule, args)
     except DynatrainError as err:  # a peer missing or a switch that cannot roll back: one line
         print(f"{device}: {err}", file=sys.stderr, flush=True)

@@ -1,5 +1,5 @@
 """Example helper: a megatron-core GPT training job for a DynaTrain layout spec, trained with a
-fixed global batch, plus the CUDA -> CPU shim that lets megatron-core 0.16.1 run on CPU (gloo).
+fixed global batch, and megatron's dist-checkpoint save/load for the benchmark's comparison.
 
 * ``build_job(spec)`` builds what Megatron-LM's ``setup_model_and_optimizer`` builds for the
   spec's model and parallel config, in the current parallel state: GPTModel chunks (local
@@ -14,25 +14,23 @@ fixed global batch, plus the CUDA -> CPU shim that lets megatron-core 0.16.1 run
 * Synthetic data: sample ``s`` is an arithmetic sequence modulo the vocabulary whose start and
   stride are drawn from ``s`` alone, so the loss falls quickly and every layout sees the same
   tokens.
-* ``cpu_shim()``: on a machine without CUDA, maps megatron's hard-coded CUDA calls to CPU (a
-  ``TorchFunctionMode`` rewriting cuda devices, ``Tensor.cuda`` the identity, cuda type names,
-  no-op streams). Example code only: DynaTrain itself has no CPU branch.
+
+On a machine without CUDA the example runs these jobs on CPU (gloo) under
+``dynatrain.runtime.megatron.cpu.cpu_shim``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import types
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.spec import LayoutSpec
 from dynatrain.runtime.megatron import MegatronJob
+from dynatrain.runtime.megatron.cpu import fork_results_queue
 
 # megatron-core 0.16.1 without Transformer Engine never binds moe_utils.te_general_gemm, yet the
 # router reads it; None selects its torch path.
@@ -43,75 +41,6 @@ if not hasattr(_moe_utils, "te_general_gemm"):
 
 LR = 3e-3
 SEED = 1234
-
-
-# ---- the CPU shim ----------------------------------------------------------------------------
-
-
-def _is_cuda(dev) -> bool:
-    if isinstance(dev, torch.device):
-        return dev.type == "cuda"
-    return (isinstance(dev, str) and dev.startswith("cuda")) or (
-        isinstance(dev, int) and not isinstance(dev, bool))
-
-
-class _CudaToCpu(TorchFunctionMode):
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        out = func(*args, **kwargs)
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs and \
-                out.startswith("torch.") and not out.startswith("torch.cuda."):
-            out = "torch.cuda." + out[len("torch."):]
-        return out
-
-
-class _NullStream:
-    def __init__(self, *a, **k):
-        pass
-
-    def __getattr__(self, name):
-        return lambda *a, **k: None
-
-
-@contextlib.contextmanager
-def cpu_shim():
-    """Run megatron on CPU inside the block (nothing happens on a machine with CUDA)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    noop = lambda *a, **k: None  # noqa: E731
-    patches = {"current_device": lambda: "cpu", "current_stream": lambda *a, **k: _NullStream(),
-               "default_stream": lambda *a, **k: _NullStream(), "Stream": _NullStream,
-               "stream": lambda *a, **k: contextlib.nullcontext(), "synchronize": noop,
-               "empty_cache": noop,
-               "nvtx": types.SimpleNamespace(range_push=noop, range_pop=noop, mark=noop)}
-    saved = {k: getattr(torch.cuda, k) for k in patches}
-    for k, v in patches.items():
-        setattr(torch.cuda, k, v)
-    try:
-        with _CudaToCpu():
-            yield
-    finally:
-        for k, v in saved.items():
-            setattr(torch.cuda, k, v)
-
-
-def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def set_device(local_rank: int) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-    else:
-        torch.set_num_threads(1)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 # ---- building a job for a spec ---------------------------------------------------------------
@@ -300,12 +229,8 @@ def save_checkpoint(job: MegatronJob, path: str) -> None:
     import json
 
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:  # megatron would spawn a Manager: seconds
-        import multiprocessing
-
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    fork_results_queue()  # megatron would spawn a Manager: seconds
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(_sharded(job, loading=False), path)
     if dist.get_rank() == 0:

@@ -37,7 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from dynatrain.runtime.megatron import MegatronJob
 
 from . import live
-from .shim import cpu_shim
+from dynatrain.runtime.megatron.cpu import cpu_shim
 
 SEQ = live.SEQ
 
@@ -110,7 +110,7 @@ def _process(name: str, fn: Callable, path: str, tmpdir: str) -> None:
     out_path = os.path.join(tmpdir, f"{name}.pt")
     try:
         store = dist.FileStore(path, -1)
-        with cpu_shim():
+        with cpu_shim(force=True):
             out = fn(store)
         torch.save(out, out_path + ".tmp")
         os.replace(out_path + ".tmp", out_path)

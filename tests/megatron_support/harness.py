@@ -12,7 +12,7 @@ config keys and the facts format.
 
 Choices that differ from a literal GPU run (none of them changes the layout):
 
-* ``tests/megatron_support/shim.py`` maps CUDA device/stream calls to cpu (test-only).
+* ``dynatrain.runtime.megatron.cpu.cpu_shim`` maps CUDA device/stream calls to cpu.
 * ``cp > 1``: megatron's local ``DotProductAttention`` refuses context parallelism (only the
   Transformer Engine attention supports it), so the core-attention submodule is replaced by a
   parameter-less stand-in. Core attention holds no parameters in either implementation.
@@ -76,7 +76,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .shim import cpu_shim
+from dynatrain.runtime.megatron.cpu import cpu_shim
 
 __all__ = ["megatron_facts", "mcore_rejects", "MegatronBuildError", "padded_vocab_size", "CFG_KEYS"]
 
@@ -284,7 +284,7 @@ def _worker(rank: int, world_size: int, c: dict, tmpdir: str) -> None:
             "gloo", store=store, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
         )
-        with cpu_shim():
+        with cpu_shim(force=True):
             facts = _build_and_extract(rank, c)
         dist.barrier()
         _write_json(os.path.join(tmpdir, f"rank{rank}.json"), facts)

@@ -60,7 +60,7 @@ from megatron.core.transformer.module import Float16Module
 
 from .harness import _resolve_cfg, _te_spec, _transformer_config
 from .probes import _may_have_children
-from .shim import cpu_shim
+from dynatrain.runtime.megatron.cpu import cpu_shim
 
 # megatron-core 0.16.1 without Transformer Engine never binds moe_utils.te_general_gemm, yet the
 # router's gating reads it (NameError on the first MoE forward); None selects its torch path.
@@ -133,7 +133,7 @@ def _worker(rank: int, fn: Callable[[int], Any], world: int, tmpdir: str) -> Non
         store = dist.FileStore(os.path.join(tmpdir, "store"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
-        with cpu_shim():
+        with cpu_shim(force=True):
             out = fn(rank)
         dist.barrier()
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt.tmp"))

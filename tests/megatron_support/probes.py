@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from dynatrain.runtime.megatron.cpu import fork_results_queue
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
@@ -363,14 +364,11 @@ def _may_have_children():
     Manager (for its write-results queue) and forks writer processes; allow that for the
     duration of the save. The Manager is started with fork instead of megatron's spawn (a
     spawned interpreter costs seconds); it only carries the writers' results back."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     proc = multiprocessing.current_process()
     was = proc._config.get("daemon")
     proc._config["daemon"] = False
     try:
-        if filesystem_async._results_queue is None:
-            filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        fork_results_queue()
         yield
     finally:
         proc._config["daemon"] = was

@@ -143,6 +143,10 @@ class Record:
     loaded: dict[str, torch.Tensor] = field(default_factory=dict)  # after setup_model_and_optimizer
     final: dict[str, torch.Tensor] = field(default_factory=dict)  # after pretrain returned
     args: dict[str, Any] = field(default_factory=dict)  # a few of Megatron-LM's args at the end
+    # At every entry into train(): args.iteration -> the state it trains from (model, optimizer,
+    # "scheduler" state, "consumed" samples, "layout" (tp, pp, dp)). A live switch enters
+    # train() again after each switch; Megatron-LM's restart enters it once, after --load.
+    at_train: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def state_of(model: list, optimizer: Any) -> dict[str, torch.Tensor]:
@@ -176,6 +180,15 @@ def _instrument(rec: Record) -> dict:
         return model, optimizer, scheduler
 
     def train_(*a, **k):
+        from megatron.core import parallel_state as ps
+
+        args = get_args()
+        rec.at_train[args.iteration] = {
+            "state": state_of(a[1], a[2]), "scheduler": a[3].state_dict(),
+            "consumed": args.consumed_train_samples,
+            "layout": (ps.get_tensor_model_parallel_world_size(),
+                       ps.get_pipeline_model_parallel_world_size(),
+                       ps.get_data_parallel_world_size())}
         out = train(*a, **k)
         rec.iteration = int(out[0])
         return out
@@ -190,7 +203,7 @@ def _instrument(rec: Record) -> dict:
     return held
 
 
-def _worker(rank: int, world: int, argv_: list[str], tmpdir: str) -> None:
+def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any = None) -> None:
     os.setpgrp()  # the launcher ends this process and any it started (checkpoint writers, Manager)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -203,8 +216,14 @@ def _worker(rank: int, world: int, argv_: list[str], tmpdir: str) -> None:
         with megatron_lm_cpu(force=True):
             args = parse_and_validate_args()
             cfg = pretrain_cfg_container_from_args(args)
-            training.pretrain(cfg, dataset_provider, ModelType.encoder_or_decoder, forward_step,
-                              model_provider=model_provider, store=store)
+            if options is None:  # Megatron-LM's own
+                training.pretrain(cfg, dataset_provider, ModelType.encoder_or_decoder,
+                                  forward_step, model_provider=model_provider, store=store)
+            else:  # the one-import change: DynaTrain's drop-in, with live switches
+                from dynatrain.megatron_lm import pretrain
+
+                pretrain(cfg, dataset_provider, ModelType.encoder_or_decoder, forward_step,
+                         model_provider=model_provider, store=store, dynatrain=options)
             rec.final = state_of(held["model"], held["optimizer"])
             rec.args = {k: getattr(args, k) for k in
                         ("iteration", "consumed_train_samples", "tensor_model_parallel_size",
@@ -218,12 +237,15 @@ def _worker(rank: int, world: int, argv_: list[str], tmpdir: str) -> None:
         sys.exit(1)
 
 
-def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0) -> list[Record]:
+def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
+                 options: Any = None) -> list[Record]:
     """Run Megatron-LM's ``pretrain`` with ``argv_`` in ``world`` forked gloo processes (not
-    daemonic: the dist-checkpoint writer starts processes of its own); one Record per rank."""
+    daemonic: the dist-checkpoint writer starts processes of its own); one Record per rank.
+    With ``options`` (``dynatrain.megatron_lm.LiveOptions``) DynaTrain's ``pretrain`` runs
+    instead, with live switches."""
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="mlm_loop_") as tmpdir:
-        procs = [ctx.Process(target=_worker, args=(r, world, argv_, tmpdir)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, argv_, tmpdir, options)) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout

@@ -49,6 +49,20 @@ CI use to run real megatron jobs on CPU. On a machine with CUDA every function h
     run without this shim and costs seconds to start: :func:`fork_results_queue` gives it a
     fork-context queue instead.
 
+  - Loading a ``torch_dist`` checkpoint into the distributed optimizer with torch's own Adam
+    (no Apex or Transformer Engine, as on this machine; on GPUs megatron uses their fused Adam,
+    whose step is per parameter group): ``sharded_state_dict(is_loading=True)`` first calls
+    ``state_dict()``, which asserts one common ``step`` among the inner optimizer's states
+    (``core/optimizer/distrib_optimizer.py`` 837-839) and finds none before the first step: the
+    states are made first with megatron's own ``_init_optimizer_states_with_dummy_values`` (what
+    it does itself for other formats, 1643; every value is then overwritten by the load). And
+    ``load_state_dict`` gives every parameter the *same* step tensor (1028-1032), which torch's
+    Adam then increments once per parameter per step: each parameter gets its own copy. The
+    fully reshardable loader passes no ``step`` (2388-2392) to
+    ``_set_main_param_and_optimizer_states``, which copies every tensor of the parameter's
+    state, ``step`` included (1217-1225: ``KeyError: 'step'``): the step is set aside while it
+    copies the others.
+
   Notes on the shim's list: megatron-core 0.19.2 imports triton under a guard
   (``core/transformer/custom_layers/batch_invariant_kernels.py`` 16-29), so no triton stub is
   needed; ``fused_kernels.load`` (``nvcc -V``) is not called by 0.19.2's loop.
@@ -233,7 +247,50 @@ def _loop_patches(stack: contextlib.ExitStack) -> None:
     _patch(stack, cuda, "get_device_properties", lambda *a, **k: _device_properties())
     _patch(stack, dataset_utils, "compile_helpers", lambda: None)
     _patch(stack, training, "set_jit_fusion_options", lambda *a, **k: None)
+    _torch_adam_load_patches(stack)
     fork_results_queue()
+
+
+def _torch_adam_load_patches(stack: contextlib.ExitStack) -> None:
+    """Megatron-LM's checkpoint load with torch's Adam (see the module doc)."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if getattr(dopt, "HAVE_APEX_OR_TE", True):
+        return
+    cls = dopt.DistributedOptimizer
+    state_dict, load_state_dict = cls.state_dict, cls.load_state_dict
+
+    @functools.wraps(state_dict)
+    def state_dict_(self):
+        if len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return state_dict(self)
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_(self, sd):
+        load_state_dict(self, sd)
+        for st in self.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+
+    set_states = cls._set_main_param_and_optimizer_states
+
+    @functools.wraps(set_states)
+    def set_states_(self, model_param, tensors):
+        if "step" in tensors:
+            return set_states(self, model_param, tensors)
+        group, index = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][index]]
+        step = state.pop("step", None)
+        try:
+            return set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    _patch(stack, cls, "state_dict", state_dict_)
+    _patch(stack, cls, "load_state_dict", load_state_dict_)
+    _patch(stack, cls, "_set_main_param_and_optimizer_states", set_states_)
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ...ir.errors import LayoutError
-from ...ir.state import BufferSlot, StateView
+from ...ir.state import BufferSlot, StateView, view_of
 from ..storage import Storage, slot_key, storage_layout
 
 STEP_KEY = slot_key("step", BufferSlot(-1, "step"))
@@ -301,6 +301,7 @@ def install_state(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Mo
                               f"layout says {spec.dtype} {list(spec.shape)}")
     with torch.no_grad():
         bound = _writable(view, rank, model_chunks, optimizer)
+        _zero_unheld(view, rank, model_chunks, optimizer, bound)
         for key, dst in bound.items():
             if key != STEP_KEY:
                 dst.copy_(storage[key])
@@ -350,9 +351,25 @@ def bind_state(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Modul
     """
     with torch.no_grad():
         store = _writable(view, rank, model_chunks, optimizer)
+        _zero_unheld(view, rank, model_chunks, optimizer, store)
         for t in store.values():
             t.zero_()
     return store
+
+
+def _zero_unheld(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
+                 optimizer: Any, held: Mapping[tuple, torch.Tensor]) -> None:
+    """Zero the rank's tensors that hold only vocab padding rows past ``view.vocab_rows``
+    (no storage key: the switch writes nothing there). A checkpoint reload zero-fills the
+    rows past the saved padded vocabulary (megatron-core's ``allow_shape_mismatch`` load), in
+    params, fp32 main params and Adam moments alike; so does a switch."""
+    layout = view.layout
+    if view.vocab_rows == layout.padded_vocab:
+        return
+    full = view_of(layout, layout.padded_vocab)
+    for key, t in _writable(full, rank, model_chunks, optimizer).items():
+        if key != STEP_KEY and key not in held:
+            t.zero_()
 
 
 def install_step(optimizer: Any, storage: Mapping[tuple, torch.Tensor]) -> None:

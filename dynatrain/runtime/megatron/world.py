@@ -164,7 +164,7 @@ class WorldSwitch:
             self.rdzv.form(f"g{g}/rollback", self.src.devices, self.device)
             ps.initialize_model_parallel(**parallel_kwargs(self.src_spec), **sw.init_kwargs)
             restored = sw.build(self.src_spec)
-            full = view_of(self.src)
+            full = view_of(self.src, self.src.padded_vocab)  # every row, padding included
             state = extract_state(full, self.src_rank, job.model_chunks, job.optimizer)
             install_state(full, self.src_rank, restored.model_chunks, restored.optimizer, state)
             carry_into(restored, carry)

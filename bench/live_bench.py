@@ -3,6 +3,7 @@
     python bench/live_bench.py                 # both models of examples/live_switch_gpt.py
     python bench/live_bench.py --model moe     # one of them
     python bench/live_bench.py --out FILE      # JSON elsewhere (default bench/results/)
+    python bench/live_bench.py --model dense --iterations-per-layout 1   # the shortest run
 
 The run and the model are ``examples/live_switch_gpt.py``'s (8 processes, 8 -> 6 -> 8 -> 8,
 each layout trained a few iterations), forked from this process on CPU with gloo (or NCCL on
@@ -67,7 +68,7 @@ from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous, cpu,  # noqa: 
                                         extract_state, install_state, parallel_kwargs)
 from dynatrain.verify.check import check  # noqa: E402
 
-TRAIN_PER_LAYOUT = 2  # iterations trained in each layout before its next switch
+TRAIN_PER_LAYOUT = 2  # iterations trained in each layout before its next switch (default)
 
 
 def worker(device: str, model: str, store_path: str, tmpdir: str, args) -> None:
@@ -104,7 +105,7 @@ def worker(device: str, model: str, store_path: str, tmpdir: str, args) -> None:
                     trainer.step(job)
                     sw.close()
                     return
-                for _ in range(TRAIN_PER_LAYOUT):
+                for _ in range(args.iterations_per_layout):
                     trainer.step(job)
                 dst = specs[k + 1]
                 sw.prepare(dst).result()
@@ -323,18 +324,24 @@ def main() -> None:
     ap.add_argument("--model", choices=["moe", "dense", "both"], default="both")
     ap.add_argument("--global-batch", type=int, default=24)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--iterations-per-layout", type=int, default=TRAIN_PER_LAYOUT, metavar="N",
+                    help=f"iterations trained in each layout before its switch (default "
+                         f"{TRAIN_PER_LAYOUT}; at least 1)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--nccl", action="store_true",
                     help="run on 8 GPUs with NCCL (needs 8 visible GPUs); default: CPU with gloo, "
                          "GPUs hidden")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "live_bench.json"))
     args = ap.parse_args()
+    if args.iterations_per_layout < 1:
+        ap.error(f"--iterations-per-layout: must be at least 1 (got {args.iterations_per_layout})")
     models = ["moe", "dense"] if args.model == "both" else [args.model]
     t0 = time.perf_counter()
     out: dict = {"environment": {"python": platform.python_version(), "torch": torch.__version__,
                                  "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
                                  "backend": cpu.backend()},
-                 "global_batch": args.global_batch, "seq": args.seq, "models": {}}
+                 "global_batch": args.global_batch, "seq": args.seq,
+                 "iterations_per_layout": args.iterations_per_layout, "models": {}}
     all_recs = []
     for model in models:
         recs = run_model(model, args)

@@ -21,7 +21,9 @@ own store, the state moves (params, fp32 main params, Adam moments, step, LR sch
 iteration, consumed samples) and training continues; the micro-batches per rank change with DP
 so the global batch does not. Printed: the loss of every iteration, and for every switch its
 downtime, the bytes moved and what planning took. ``--no-switch`` trains the same iterations in
-the first layout only (a reference loss curve).
+the first layout only (a reference loss curve). ``--iterations-per-layout N`` trains N
+iterations in each layout instead of 6 (the switches move with it; 1 is the shortest run), and
+``--json FILE`` writes every switch's record and every iteration's loss.
 
 The processes that leave idle as spares in ``LiveSwitcher.join`` until a switch takes them
 back; a process started later on another machine would do the same with a ``Rendezvous`` on
@@ -66,7 +68,7 @@ SCHEDULES = {
 }
 # Every layout's devices are node0:gpu0..: the launch must give the largest one, on one node.
 PROCESSES = max(k for schedule in SCHEDULES.values() for _, _, _, k, _ in schedule)
-ITERATIONS = 24
+ITERATIONS_PER_LAYOUT = 6  # the schedules' switch iterations are multiples of it
 PREPARE_AHEAD = 2  # plan and verify this many iterations before the switch
 TIMEOUT = 180.0  # seconds any wait for peers may take (group formation, a switch, a vote)
 SPARE_TIMEOUT = 600.0  # seconds a spare waits for a switch that takes it back
@@ -79,8 +81,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-switch", action="store_true", help="stay in the first layout")
     ap.add_argument("--global-batch", type=int, default=24)
     ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--json", help="write the switch records here (rank 0 of the last layout)")
-    return ap.parse_args(argv)
+    ap.add_argument("--iterations-per-layout", type=int, default=ITERATIONS_PER_LAYOUT,
+                    metavar="N", help="train N iterations in each layout (default "
+                    f"{ITERATIONS_PER_LAYOUT}; the switches move with it)")
+    ap.add_argument("--json", help="write the switch records and the losses here (rank 0 of "
+                    "the last layout)")
+    args = ap.parse_args(argv)
+    if args.iterations_per_layout < 1:
+        ap.error(f"--iterations-per-layout: must be at least 1 (got {args.iterations_per_layout})")
+    return args
+
+
+def schedule_of(model: str, per_layout: int) -> list[tuple[int, str, dict, int, str]]:
+    """``SCHEDULES[model]`` with each layout trained ``per_layout`` iterations."""
+    return [(i * per_layout, n, p, k, why) for i, (_, n, p, k, why)
+            in enumerate(SCHEDULES[model])]
 
 
 def launch_problem(env: Mapping[str, str]) -> str | None:
@@ -169,18 +184,20 @@ def main(args: argparse.Namespace) -> None:
                           is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT))
     rdzv = Rendezvous(store, cpu.backend(), prefix="live-switch-gpt", timeout=TIMEOUT)
     model = MODELS[args.model]
-    schedule = [(it, spec(model, n, p, k), why) for it, n, p, k, why in SCHEDULES[args.model]]
+    schedule = [(it, spec(model, n, p, k), why)
+                for it, n, p, k, why in schedule_of(args.model, args.iterations_per_layout)]
+    iterations = len(schedule) * args.iterations_per_layout
     if args.no_switch:
         schedule = schedule[:1]
     try:
         with cpu.cpu_shim():
-            run(device, rdzv, schedule, args)
+            run(device, rdzv, schedule, iterations, args)
     except DynatrainError as err:  # a peer missing or a switch that cannot roll back: one line
         print(f"{device}: {err}", file=sys.stderr, flush=True)
         sys.exit(err.exit_code)
 
 
-def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
+def run(device: str, rdzv: Rendezvous, schedule: list, iterations: int, args) -> None:
     from megatron.core import parallel_state as ps
 
     trainer = mcore_job.GlobalBatch(args.global_batch, args.seq, BASE["vocab_size"])
@@ -198,7 +215,10 @@ def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
     else:
         sw = LiveSwitcher(None, device, mcore_job.build_job, check, **kw)
     switch_at = {it: (s, why) for it, s, why in schedule[1:]}
+    # Plan ahead, but never before the previous switch (one switch is prepared at a time).
+    ahead = min(PREPARE_AHEAD, args.iterations_per_layout)
     records: list[dict] = []
+    losses: dict[int, float] = {}  # the iterations this process printed
     pending = None  # the switch being prepared (its plan predicts the exchange's downtime)
     t_step = time.perf_counter()
     while True:
@@ -218,10 +238,8 @@ def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
             records.append(report(sw, result, None))
             continue
         it = job.iteration
-        if it == ITERATIONS:
+        if it == iterations:
             break
-        if it + PREPARE_AHEAD in switch_at:
-            pending = sw.prepare(switch_at[it + PREPARE_AHEAD][0])  # plans while it trains
         if it in switch_at:
             why = switch_at.pop(it)[1]
             try:
@@ -239,19 +257,29 @@ def run(device: str, rdzv: Rendezvous, schedule: list, args) -> None:
                 records.append(report(sw, result, why, plan))
             t_step = time.perf_counter()
             continue
+        if it + ahead in switch_at:
+            pending = sw.prepare(switch_at[it + ahead][0])  # plans while it trains
         loss = trainer.step(job)
         printer = (loss is not None and ps.get_tensor_model_parallel_rank() == 0
                    and ps.get_data_parallel_rank() == 0)
         if printer:
+            losses[it + 1] = loss
             now = time.perf_counter()
             print(f"iteration {it + 1:3d}  loss {loss:.4f}  {label(sw.spec)}  "
                   f"{trainer.micro_batches()} micro-batches/rank  {now - t_step:.2f} s",
                   flush=True)
             t_step = now
     sw.close()
+    # Each iteration's loss was printed by one process; every process is in the last layout.
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, losses)
     if args.json and sw.leader:
+        merged = {i: v for part in gathered for i, v in part.items()}
         with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump({"model": args.model, "no_switch": args.no_switch,
+                       "iterations_per_layout": args.iterations_per_layout,
+                       "iterations": job.iteration, "switches": records,
+                       "losses": [merged.get(i) for i in range(1, iterations + 1)]}, f, indent=1)
 
 
 def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:

@@ -93,3 +93,13 @@ def test_megatron_lm_cpu_patches_the_loop_and_restores():
     assert torch.cuda.random.get_rng_state is random_get
     assert (training.initialize_megatron, training.set_jit_fusion_options,
             dataset_utils.compile_helpers) == loop
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.training") is not None,
+                    reason="this megatron-core's wheel ships megatron.training")
+def test_megatron_lm_cpu_without_megatron_training_says_so():
+    before = _cuda_attrs(CUDA_NAMES + LOOP_CUDA_NAMES)
+    with pytest.raises(ImportError, match="megatron_lm_cpu needs megatron.training"):
+        with cpu.megatron_lm_cpu(force=True):
+            pass
+    assert _cuda_attrs(CUDA_NAMES + LOOP_CUDA_NAMES) == before

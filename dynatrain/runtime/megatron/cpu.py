@@ -236,7 +236,12 @@ def _device_properties() -> types.SimpleNamespace:
 def _loop_patches(stack: contextlib.ExitStack) -> None:
     cuda = torch.cuda
     from megatron.core.datasets import utils as dataset_utils
-    from megatron.training import training
+
+    try:
+        from megatron.training import training
+    except ImportError as err:
+        raise ImportError(f"megatron_lm_cpu needs megatron.training, which megatron-core's wheel "
+                          f"ships from 0.19 on: {err}") from err
 
     _patch(stack, training, "initialize_megatron",
            functools.partial(training.initialize_megatron, allow_no_cuda=True))

@@ -40,6 +40,7 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.training import get_args, get_tokenizer, training
 from megatron.training.argument_utils import (core_transformer_config_from_args,
                                               pretrain_cfg_container_from_args)
@@ -186,6 +187,10 @@ def _instrument(rec: Record) -> dict:
         rec.at_train[args.iteration] = {
             "state": state_of(a[1], a[2]), "scheduler": a[3].state_dict(),
             "consumed": args.consumed_train_samples,
+            "args": {k: getattr(args, k) for k in (
+                "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "data_parallel_size", "world_size", "rank", "padded_vocab_size")},
+            "micro_batches": get_num_microbatches(),
             "layout": (ps.get_tensor_model_parallel_world_size(),
                        ps.get_pipeline_model_parallel_world_size(),
                        ps.get_data_parallel_world_size())}
@@ -203,11 +208,30 @@ def _instrument(rec: Record) -> dict:
     return held
 
 
-def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any = None) -> None:
+def _refuse_carried_scheduler_once() -> None:
+    """The next ``OptimizerParamScheduler.load_state_dict`` on this process raises, as
+    megatron's scheduler does for a state it does not accept (``fail_carry``): a failure after
+    a switch's exchange, on one process."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    real = OptimizerParamScheduler.load_state_dict
+
+    def refuse(self, state_dict):
+        OptimizerParamScheduler.load_state_dict = real
+        raise AssertionError("injected: OptimizerParamScheduler refuses the carried state")
+
+    OptimizerParamScheduler.load_state_dict = refuse
+
+
+def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any = None,
+            fail_carry: int | None = None) -> None:
     os.setpgrp()  # the launcher ends this process and any it started (checkpoint writers, Manager)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world),
                       GLOO_SOCKET_IFNAME="lo", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    if fail_carry == rank:
+        _refuse_carried_scheduler_once()
     try:
         rec = Record()
         held = _instrument(rec)
@@ -238,14 +262,14 @@ def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any =
 
 
 def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
-                 options: Any = None) -> list[Record]:
+                 options: Any = None, fail_carry: int | None = None) -> list[Record]:
     """Run Megatron-LM's ``pretrain`` with ``argv_`` in ``world`` forked gloo processes (not
     daemonic: the dist-checkpoint writer starts processes of its own); one Record per rank.
     With ``options`` (``dynatrain.megatron_lm.LiveOptions``) DynaTrain's ``pretrain`` runs
     instead, with live switches."""
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="mlm_loop_") as tmpdir:
-        procs = [ctx.Process(target=_worker, args=(r, world, argv_, tmpdir, options)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, argv_, tmpdir, options, fail_carry)) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ...ir.errors import EXIT_BAD_INPUT, DynatrainError
 from ...ir.layout import Layout
-from ...ir.loader import spec_from_dict
+from ...ir.loader import spec_from_dict, spec_to_dict
 from ...ir.spec import LayoutSpec
 from .job import MegatronJob, SwitchFailed, SwitchResult
 from .live import LiveSwitcher
@@ -73,6 +73,14 @@ class LiveControl:
         self.pending: _Pending | None = None
         self.last: SwitchResult | SwitchFailed | None = None
         self._handled = 0  # the last request number rank 0 looked at
+        self._publish()
+
+    def _publish(self) -> None:
+        """Rank 0 posts the layout the job runs now under ``current`` (the spec document a
+        request may start from: ``dynatrain switch`` targets the job's own model)."""
+        sw = self.sw
+        if self.requests and sw.leader:
+            sw.rendezvous.post("current", {"spec": spec_to_dict(sw.spec, sw.layout.devices)})
 
     # ---- collectives of the job's group ------------------------------------------------------
 
@@ -186,13 +194,17 @@ class LiveControl:
         except SwitchFailed as err:
             self.last = err
             cause = _cause(err)
-            bad_input = isinstance(cause, DynatrainError) and cause.exit_code == EXIT_BAD_INPUT
+            # Refused: the input was (the planner or the job check said no on this process);
+            # a failure elsewhere, or after anything moved, is a failed switch.
+            bad_input = (not isinstance(cause, SwitchFailed) and isinstance(cause, DynatrainError)
+                         and cause.exit_code == EXIT_BAD_INPUT)
             self._answer(p.request, "refused" if bad_input else "failed",
                          _first_line(cause) if bad_input else _first_line(err), leader)
             if err.job is None:
                 raise
             return err.job
         self.last = result
+        self._publish()
         seconds = result.seconds.get("downtime", 0.0)
         self._answer(p.request, "switched",
                      f"{p.spec.name} on {len(Layout(p.spec).devices)} devices at "

@@ -74,8 +74,10 @@ class LiveOptions:
 
     Args:
         schedule: iteration -> the layout to switch to at that boundary: a spec, its YAML
-            path, or a ``parallel`` block for the job's own model and devices (e.g.
-            ``{"pp": 2}``); the switch is planned ``prepare_ahead`` iterations before.
+            path, a ``parallel`` block for the job's own model and devices (e.g.
+            ``{"pp": 2}``), or ``{"parallel": {...}, "world": {...}}`` for other devices (e.g.
+            ``"world": {"nodes": 1, "gpus_per_node": 3}``); the switch is planned
+            ``prepare_ahead`` iterations before.
         requests: take up switches posted to the job's store (``dynatrain switch --store``).
         prefix: the namespace of the job's keys in the store.
         store: the store's ``HOST:PORT``; default torchrun's (``MASTER_ADDR:MASTER_PORT``).
@@ -298,10 +300,14 @@ class _Driver:
                 raise DynatrainError(f"schedule: iterations must be integers >= 0 (got {it!r})")
             if isinstance(target, (str, os.PathLike)):
                 out[it] = load_spec(target)
-            elif isinstance(target, Mapping):  # a parallel block for the job's own model
+            elif isinstance(target, Mapping):  # the job's own model in another layout
+                parallel = dict(target.get("parallel", {}) if "parallel" in target else target)
                 doc = spec_to_dict(first)
-                doc.update(parallel=dict(target), name="-".join(
-                    f"{k}{v}" for k, v in target.items()) or "dp")
+                doc.update(parallel=parallel, name="-".join(
+                    f"{k}{v}" for k, v in parallel.items()) or "dp")
+                if "world" in target:
+                    doc["world"] = dict(target["world"])
+                    doc["name"] += f"-on-{len(Layout(spec_from_dict(doc)).devices)}"
                 out[it] = spec_from_dict(doc)
             else:
                 out[it] = target

@@ -6,6 +6,8 @@ The store is the one the job's ``Rendezvous`` uses (under torchrun the agent's T
 
 * ``requests``: a counter; a client takes the next number with an atomic add;
 * ``request/<n>``: ``{"dst": <spec document>, "source": "<who asked>"}``;
+* ``current``: ``{"spec": <spec document>}``, the layout the job runs now (its rank 0 posts
+  it at start and after every switch): a request starts from it to keep the job's model;
 * ``answer/<n>``: what became of it, written once by the job's rank 0:
   ``{"outcome": "switched" | "refused" | "failed", "line": "<one line>", "exit": <status>}``,
   the line starting with what happened ("switched to ...", "refused: ...", "failed and rolled

@@ -51,15 +51,16 @@ def _same(a: dict, b: dict) -> list[str]:
 
 def test_world_shrinks_and_grows_inside_megatron_lm(tmp_path):
     ckpt = str(tmp_path / "ckpt")
+    base = BASE + ("--global-batch-size", "12")  # DP 2, 3 and 4 divide it
     schedule = {2: {"parallel": {}, "world": {"nodes": 1, "gpus_per_node": 3}},
                 4: {"parallel": {"tp": 2}}}
     live = lm.run_pretrain(
-        lm.argv(tp=2, iters=6, extra=BASE + ("--save", ckpt, "--save-interval", "2")),
+        lm.argv(tp=2, iters=6, extra=base + ("--save", ckpt, "--save-interval", "2")),
         world=4, timeout=600, options=LiveOptions(schedule=schedule, requests=False,
                                                   timeout=120))
-    to_dp3 = lm.run_pretrain(lm.argv(tp=1, iters=6, load=ckpt, extra=BASE + (
+    to_dp3 = lm.run_pretrain(lm.argv(tp=1, iters=6, load=ckpt, extra=base + (
         "--ckpt-step", "2")), world=3, timeout=600)
-    back = lm.run_pretrain(lm.argv(tp=2, iters=6, load=ckpt, extra=BASE + (
+    back = lm.run_pretrain(lm.argv(tp=2, iters=6, load=ckpt, extra=base + (
         "--ckpt-step", "4")), world=4, timeout=600)
     spare = live[3]
     assert sorted(spare.at_train) == [0, 4]  # it sat out iterations 3 and 4

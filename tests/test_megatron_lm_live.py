@@ -83,3 +83,34 @@ def test_switch_equals_megatron_lm_restart(runs, k):
         nxt = {i: mine.losses[i] for i in (k + 1, k + 2) if i in mine.losses}
         assert nxt == {i: ref.losses[i] for i in nxt}
     assert any(k + 1 in rec.losses for rec in live)
+
+
+MOE = ("--num-layers", "2", "--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable",
+       "--untie-embeddings-and-output-weights", "--num-experts", "4", "--moe-router-topk", "2",
+       "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "64")
+
+
+def test_moe_expert_parallel_switch_equals_megatron_lm_restart(tmp_path):
+    """An MoE job (4 experts, top-2) switches DP4·EP2 -> DP4·EP4 -> PP2·DP2·EP2 live; each
+    switch equals Megatron-LM's restart into the destination layout bit for bit."""
+    ckpt = str(tmp_path / "ckpt")
+    schedule = {2: {"ep": 4}, 4: {"pp": 2, "ep": 2}}
+    live = lm.run_pretrain(
+        lm.argv(tp=1, iters=6, extra=MOE + ("--expert-model-parallel-size", "2", "--save", ckpt,
+                                            "--save-interval", "2")),
+        world=WORLD, timeout=600,
+        options=LiveOptions(schedule=schedule, requests=False, timeout=120))
+    dst_args = {2: ("--expert-model-parallel-size", "4"),
+                4: ("--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")}
+    for k, extra in dst_args.items():
+        ref = lm.run_pretrain(lm.argv(tp=1, iters=6, load=ckpt, extra=MOE + extra + (
+            "--ckpt-step", str(k))), world=WORLD, timeout=600)
+        for rank, (mine, theirs) in enumerate(zip(live, ref)):
+            a, b = mine.at_train[k], theirs.at_train[k]
+            assert a["layout"] == b["layout"] and a["args"] == b["args"]
+            assert a["scheduler"] == b["scheduler"] and a["consumed"] == b["consumed"]
+            assert sorted(a["state"]) == sorted(b["state"])
+            diff = [n for n in a["state"] if not torch.equal(a["state"][n], b["state"][n])]
+            assert diff == [], f"switch at {k}, rank {rank}: {diff[:5]}"
+            nxt = {i: mine.losses[i] for i in (k + 1, k + 2) if i in mine.losses}
+            assert nxt == {i: theirs.losses[i] for i in nxt}

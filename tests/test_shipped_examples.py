@@ -22,6 +22,14 @@ from pathlib import Path
 
 import pytest
 
+# Eight processes importing torch's CUDA build (Python 3.12) cost minutes on a 2-core machine,
+# beyond that section's time budget: the examples and the bench (megatron-core APIs both versions
+# share) run in the Python 3.11 section of the test command.
+if sys.version_info >= (3, 12):
+    pytest.skip("the shipped examples run in the Python 3.11 section (8 processes importing "
+                "torch's CUDA build exceed the 3.12 section's time budget)",
+                allow_module_level=True)
+
 ROOT = Path(__file__).resolve().parents[1]
 # Each scheduled switch of the example: (layout, processes after it, processes that join).
 SWITCHES = {

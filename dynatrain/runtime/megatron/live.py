@@ -107,6 +107,13 @@ from .world import WorldSwitch
 SLICE_PLANNER = "spread-1"  # in the digest: processes must run the same planner
 
 
+def _where(failure: BaseException | None) -> str:
+    """Which process a failure agreed on by every process happened on, and why."""
+    if failure is None:
+        return "another process"
+    return f"this process: {type(failure).__name__}: {failure}"
+
+
 def slice_digest(src_spec: LayoutSpec, src: Layout, dst_spec: LayoutSpec, dst: Layout,
                  budget_bytes: int, topology: Topology) -> bytes:
     """What determines a same-devices switch's slices, hashed: the processes of the job must
@@ -290,9 +297,8 @@ class LiveSwitcher:
         except Exception as err:  # noqa: BLE001 — agreed below, then raised everywhere
             failure = err
         if not self._all_built(failure is None):
-            where = "this process" if failure is not None else "another process"
-            why = f": {type(failure).__name__}: {failure}" if failure is not None else ""
-            raise SwitchFailed(f"{self.device}: a plan slice failed its checks on {where}{why};"
+            where = _where(failure)
+            raise SwitchFailed(f"{self.device}: a plan slice failed its checks on {where};"
                                " the job is untouched", job) from failure
         return replace(prep, plan=plan, plan_seconds=prep.plan_seconds + t1 - t0,
                        verify_seconds=time.perf_counter() - t1)
@@ -416,10 +422,9 @@ class LiveSwitcher:
         if not self._all_built(failure is None):
             new = dst = None
             self._back_to_source(saved)
-            where = "this process" if failure is not None else "another process"
-            why = f": {type(failure).__name__}: {failure}" if failure is not None else ""
+            where = _where(failure)
             raise SwitchFailed(f"{self.device}: building the destination failed on {where}"
-                               f"{why}; back in the source layout, nothing moved",
+                               "; back in the source layout, nothing moved",
                                job) from failure
         try:
             dst, report = switch(prep.plan, src_view, dst_view, self.device, src, self.group,
@@ -448,10 +453,9 @@ class LiveSwitcher:
         if not self._all_built(failure is None):
             new = dst = None
             self._back_to_source(saved)
-            where = "this process" if failure is not None else "another process"
-            why = f": {type(failure).__name__}: {failure}" if failure is not None else ""
+            where = _where(failure)
             raise SwitchFailed(f"{self.device}: installing the switched state failed on {where}"
-                               f"{why}; back in the source layout, the job trains on",
+                               "; back in the source layout, the job trains on",
                                job) from failure
         t.append(time.perf_counter())
         self._after(prep, "stayed")

@@ -65,9 +65,10 @@ def test_only_measured_seconds_are_masked() -> None:
             ("  staging   peak 1019.9 KiB per device (planned 1019.9 KiB)", "892.0")):
         old = re.search(r"\d+(\.\d+)?(?= (s|KiB|messages)\b)", line).group()
         assert shown.mask(line) != shown.mask(line.replace(old, changed, 1)), line
-    run = "  time      0.092 s (slowest process), 0.15 GB/s achieved; predicted ~0.070 s"
-    assert shown.mask(run) == shown.mask(run.replace("0.092", "1.5").replace("0.15", "2"))
-    assert shown.mask(run) != shown.mask(run.replace("0.070", "0.068"))
+    run = ("  time      92.3 ms (slowest process); 0.15 GB/s over all devices (bytes moved); "
+           "predicted ~70.2 ms on gloo-local")
+    assert shown.mask(run) == shown.mask(run.replace("92.3 ms", "1.25 s").replace("0.15", "2"))
+    assert shown.mask(run) != shown.mask(run.replace("70.2", "68.2"))
     proved = "  tp_even_split                  proved      0.123 s"
     assert shown.mask(proved) == shown.mask(proved.replace("  0.123", " 10.500"))
 

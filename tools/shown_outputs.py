@@ -50,9 +50,9 @@ _T = r"(\s*\d+(?:\.\d+)?)"
 TIMINGS = tuple(re.compile(p.replace("{T}", _T)) for p in (
     r"(?:planned|verified|computed) in{T} s",                   # plan, plan --device, layout
     r"verify_slice: \w+ \({T} s\)",                             # plan --device
-    r"{T} s \(slowest process\),{T} GB/s achieved",             # run-plan
+    r"time(\s*\d+(?:\.\d+)? (?:s|ms|us|ns)) \(slowest process\);{T} GB/s over",  # run-plan
     r"moved \(all devices\),{T} s,{T} GB/s so far",             # run-plan's progress
-    r"switch committed: \d+ rounds in{T} s .* at{T} GB/s",      # run-plan's last log line
+    r"switch committed: \d+ rounds in{T} s .*:{T} GB/s through",  # run-plan's last log line
     r"(?:proved|FAILED.*){T} s$",                               # prove
     r"in{T} s \(peak .* in flight\)",                           # load
 ))

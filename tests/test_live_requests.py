@@ -131,9 +131,8 @@ def test_switches_asked_for_through_the_store(tmp_path) -> None:
                 "iteration": job.iteration}
 
     thread = threading.Thread(target=client, daemon=True)
-    thread.start()
     try:
-        results = live.run_workers(work, 2, timeout=600)
+        results = live.run_workers(work, 2, timeout=600, started=thread.start)
     finally:
         thread.join(timeout=30)
     other, four, pp2 = outcomes["other-model"], outcomes["tp2-dp2"], outcomes["pp2"]

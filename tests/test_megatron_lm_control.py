@@ -122,9 +122,8 @@ def test_requests_and_a_failing_build_inside_megatron_lm(tmp_path):
             out["error"] = err
 
     thread = threading.Thread(target=client, daemon=True)
-    thread.start()
     recs = lm.run_pretrain(lm.argv(tp=2, iters=60, extra=BASE), world=2, timeout=900,
-                           fail_carry=1, options=LiveOptions(
+                           fail_carry=1, started=thread.start, options=LiveOptions(
                                store=f"127.0.0.1:{port}", prefix="mlm", timeout=120))
     thread.join(timeout=60)
     assert "error" not in out, out.get("error")

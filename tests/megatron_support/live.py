@@ -99,13 +99,19 @@ def resolve(cfg: dict) -> dict:
 # ---- processes --------------------------------------------------------------------------------
 
 
-def run_workers(fn: Callable[[int], Any], world: int, timeout: float = 120.0) -> list:
-    """Run ``fn(rank)`` in ``world`` forked gloo workers; return their results by rank."""
+def run_workers(fn: Callable[[int], Any], world: int, timeout: float = 120.0,
+                started: Callable[[], Any] | None = None) -> list:
+    """Run ``fn(rank)`` in ``world`` forked gloo workers; return their results by rank.
+
+    ``started`` runs once every worker is forked: start a test's own threads there (a fork
+    while another thread holds a lock can leave the child waiting on it forever)."""
     if dist.is_initialized() or ps.model_parallel_is_initialized():
         raise RuntimeError("run_workers needs a parent without a process group")
     with tempfile.TemporaryDirectory(prefix="mcore_live_") as tmpdir:
         ctx = tmp.start_processes(_worker, args=(fn, world, tmpdir), nprocs=world, join=False,
                                   daemon=True, start_method="fork")
+        if started is not None:
+            started()
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -160,8 +166,9 @@ def _error(tmpdir: str, world: int, exc: Exception) -> RuntimeError:
 # ---- building and training ---------------------------------------------------------------------
 
 
-def init_parallel(c: dict) -> None:
-    """megatron's parallel state for layout ``c`` (as ``harness._build``)."""
+def init_parallel(c: dict, **extra) -> None:
+    """megatron's parallel state for layout ``c`` (as ``harness._build``); ``extra``: more
+    ``initialize_model_parallel`` arguments (e.g. ``distributed_timeout_minutes``)."""
     ps.initialize_model_parallel(
         tensor_model_parallel_size=c["tp"],
         pipeline_model_parallel_size=c["pp"],
@@ -172,6 +179,7 @@ def init_parallel(c: dict) -> None:
         num_distributed_optimizer_instances=c["num_distributed_optimizer_instances"],
         order=c["order"],
         create_gloo_process_groups=False,
+        **extra,
     )
 
 

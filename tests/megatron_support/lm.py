@@ -262,16 +262,21 @@ def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any =
 
 
 def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
-                 options: Any = None, fail_carry: int | None = None) -> list[Record]:
+                 options: Any = None, fail_carry: int | None = None,
+                 started: Any = None) -> list[Record]:
     """Run Megatron-LM's ``pretrain`` with ``argv_`` in ``world`` forked gloo processes (not
     daemonic: the dist-checkpoint writer starts processes of its own); one Record per rank.
     With ``options`` (``dynatrain.megatron_lm.LiveOptions``) DynaTrain's ``pretrain`` runs
-    instead, with live switches."""
+    instead, with live switches. ``started`` runs once every process is forked: start a
+    test's own threads there (a fork while another thread holds a lock can leave the child
+    waiting on it forever)."""
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="mlm_loop_") as tmpdir:
         procs = [ctx.Process(target=_worker, args=(r, world, argv_, tmpdir, options, fail_carry)) for r in range(world)]
         for p in procs:
             p.start()
+        if started is not None:
+            started()
         deadline = time.monotonic() + timeout
         try:
             # Stop at the first failure: the other ranks would wait in a collective.

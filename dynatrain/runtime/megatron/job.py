@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ...ir.errors import EXIT_ABORTED, EXIT_BAD_INPUT, DynatrainError
+from ...ir.errors import DynatrainError
 from ...ir.layout import Layout
 from ...ir.spec import LayoutSpec
 from ...planner.plan import Plan
@@ -52,7 +52,11 @@ Verifier = Callable[[Plan, Layout, Layout], object]  # raises if the plan breaks
 # that writes them into that rank's storage). Raises DynatrainError (exit status 2) for a
 # checkpoint it refuses. Passed in (see dynatrain.checkpoint): the runtime layer does not
 # import the checkpoint reader.
+# ``lost`` None: the rank's whole state (a rollback to the checkpoint).
 Refill = Callable[[str, Layout, int, Any], tuple[int | None, Callable[[dict], object]]]
+# The training state a checkpoint was saved with, as ``carried`` gives it (iteration,
+# consumed_samples, scheduler, extra): where a rollback to that checkpoint resumes.
+TrainState = Callable[[str], dict]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +119,14 @@ class RecoveryFailed(SwitchFailed):
 
     ``exit_code`` is 2 when the input was refused (a checkpoint that is missing, truncated, of
     another model, of an unknown format version or of another step; a destination that does
-    not fit), else 4 (a process died, timed out or voted no while recovering).
+    not fit), 3 when state is lost and nothing can restore it (no checkpoint given, or no way
+    to roll back to the one given), else 4 (a process died, timed out or voted no while
+    recovering).
     """
 
-    def __init__(self, message: str, job: MegatronJob | None, bad_input: bool) -> None:
+    def __init__(self, message: str, job: MegatronJob | None, exit_code: int) -> None:
         super().__init__(message, job)
-        self.exit_code = EXIT_BAD_INPUT if bad_input else EXIT_ABORTED
+        self.exit_code = exit_code
 
 
 def parallel_kwargs(spec: LayoutSpec) -> dict:

@@ -99,7 +99,7 @@ from ..headroom import check_switch_headroom, job_cuda_device
 from .bridge import bind_state, extract_state, install_step
 from .check_job import check_job
 from .job import (Builder, GlobalState, MegatronJob, Prepared, Refill, SwitchFailed, SwitchResult,
-                  Verifier, carried, carry_into, parallel_kwargs)
+                  TrainState, Verifier, carried, carry_into, parallel_kwargs)
 from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
 from .world import WorldSwitch
@@ -155,7 +155,19 @@ class LiveSwitcher:
         stale_after: seconds without a beat after which a device counts as dead (default:
             ten heartbeats, at least one second).
         refill: plans filling lost state from a checkpoint for ``recover`` (``job.Refill``;
-            e.g. built on ``dynatrain.checkpoint.plan_load(..., only=lost)``).
+            e.g. built on ``dynatrain.checkpoint.plan_load(..., only=lost)``); called with
+            ``lost`` None it plans the rank's whole state (a rollback).
+        collective_timeout: seconds after which a collective of the job's process groups gives
+            up on a peer that died or stopped (gloo cannot abort a collective: this bound is
+            what releases a survivor blocked in one). Given, megatron's groups are made with it
+            (``distributed_timeout_minutes``, unless ``init_kwargs`` names one), and
+            ``recover``'s roll call waits this long beyond ``timeout`` for processes whose
+            heartbeat still beats (blocked, not dead: they are never declared failed). None:
+            taken from ``init_kwargs["distributed_timeout_minutes"]`` where given.
+        train_state: reads the training state a checkpoint was saved with (``job.TrainState``:
+            iteration, consumed samples, scheduler, as ``job.carried`` gives them). With it and
+            ``refill``, ``recover`` rolls every survivor back in place to a checkpoint of an
+            older step when the state of the current step is lost.
         global_state: what ``build`` changes outside the job (Megatron-LM's ``args``, its
             micro-batch calculator, RNG streams): saved before each switch and restored when
             the switch fails, so the job trains on exactly as before (``job.GlobalState``).
@@ -173,7 +185,9 @@ class LiveSwitcher:
                  topology: Topology = H100, init_kwargs: dict | None = None,
                  check_transfers: bool = False, heartbeat: float | None = None,
                  stale_after: float | None = None, refill: Refill | None = None,
-                 slices: bool = True, global_state: GlobalState | None = None) -> None:
+                 slices: bool = True, global_state: GlobalState | None = None,
+                 train_state: TrainState | None = None,
+                 collective_timeout: float | None = None) -> None:
         self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
         if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
@@ -184,6 +198,12 @@ class LiveSwitcher:
         self.rendezvous = rendezvous
         self.budget_bytes, self.timeout, self.group = budget_bytes, timeout, group
         self.topology, self.init_kwargs = topology, dict(init_kwargs or {})
+        if collective_timeout is not None:
+            if not collective_timeout > 0:
+                raise LayoutError(f"collective_timeout: seconds > 0 (got {collective_timeout!r})")
+            self.init_kwargs.setdefault("distributed_timeout_minutes", collective_timeout / 60)
+        minutes = self.init_kwargs.get("distributed_timeout_minutes")
+        self.collective_timeout = None if minutes is None else 60.0 * float(minutes)
         self.check_transfers = check_transfers
         self.slices, self.global_state = slices, global_state
         self._cuda_device = job_cuda_device()  # here: the planning thread has its own device
@@ -192,7 +212,7 @@ class LiveSwitcher:
         self._generation = 0  # the last switch announced in the rendezvous that this job saw
         self._open: int | None = None  # announced, neither gone nor cancelled yet
         self._watch: int | None = None  # a spare's next announcement to look at
-        self.refill = refill
+        self.refill, self.train_state = refill, train_state
         self.check_seconds: float | None = None  # the last switch's check_job, for reports
         self._heartbeat = self.liveness = None
         if heartbeat is not None:
@@ -509,7 +529,8 @@ class LiveSwitcher:
 
     def recover(self, job: MegatronJob, failed: Iterable[str] | None = None,
                 dst_spec: LayoutSpec | None = None,
-                checkpoint: str | os.PathLike[str] | None = None) -> SwitchResult:
+                checkpoint: str | os.PathLike[str] | None = None,
+                rollback: bool | None = None) -> SwitchResult:
         """Go on without the processes that stopped answering (every surviving process of the
         job calls it; see ``recovery.py``).
 
@@ -519,8 +540,13 @@ class LiveSwitcher:
                 whose heartbeat stopped) are added. None: detect them all.
             dst_spec: the layout to go on in, on surviving devices only; None: the top
                 ``suggest`` result for the surviving devices.
-            checkpoint: the dist checkpoint of the job's current step, read (through
-                ``refill``) for exactly the state only the dead held.
+            checkpoint: a dist checkpoint of the job. Of the survivors' current step: read
+                (through ``refill``) for exactly the state only the dead held. Of an older
+                step: every survivor reloads all of it and the job goes on from that step
+                (a rollback in place; needs ``train_state``).
+            rollback: None: roll back only when the current step cannot be restored (state
+                lost and no checkpoint of this step, or survivors at different steps); True:
+                always roll back to ``checkpoint``; False: never (refuse instead).
 
         Returns:
             The destination job (``role`` "stayed", or "left" with ``job`` None on a survivor
@@ -529,7 +555,8 @@ class LiveSwitcher:
         Raises:
             RecoveryFailed: on every survivor, with one line; ``.job`` is ``job``, its state
                 untouched (exit status 2: a refused checkpoint or destination, nothing torn
-                down; 4: a process died or voted no while recovering). Retry with ``recover``.
+                down; 3: state lost that nothing given restores; 4: a process died or voted no
+                while recovering). Retry with ``recover``.
         """
         if self.spec is None or self.layout is None or self.rendezvous is None:
             raise DynatrainError(f"{self.device}: recover() needs a running rank and a "
@@ -542,7 +569,8 @@ class LiveSwitcher:
         rec = Recovery(self, job, self._generation)
         given = frozenset(failed) if failed is not None else frozenset()
         result, dst_spec = rec.run(given, dst_spec,
-                                   None if checkpoint is None else os.fspath(checkpoint))
+                                   None if checkpoint is None else os.fspath(checkpoint),
+                                   rollback)
         if result.role == "left":
             self.spec = self.layout = None
             self._watch = self._generation + 1

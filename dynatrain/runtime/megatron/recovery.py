@@ -50,18 +50,24 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ...ir.errors import DynatrainError, LayoutError
+import torch
+
+from ...ir.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_LOST, DynatrainError, LayoutError
 from ...ir.layout import Layout
 from ...ir.loader import spec_to_dict
 from ...ir.spec import LayoutSpec
 from ...ir.state import transition_views
 from ...planner.lost import LostState
 from ...planner.pipeline import plan_transition
+from ...planner.plan import Plan
 from ...planner.serialize import plan_to_json
 from ...planner.suggest import suggest
 from ..executor import process_devices, switch
+from ..storage import allocate
 from .bridge import extract_state, install_state, read_step
 from .check_job import check_job
 from .job import MegatronJob, RecoveryFailed, SwitchResult, carried, carry_into, parallel_kwargs
@@ -113,6 +119,37 @@ class Liveness:
         return out
 
 
+class LostForGood(DynatrainError):
+    """State that no survivor, copy or given checkpoint can restore (exit status 3)."""
+
+    exit_code = EXIT_LOST
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A recovery every survivor agreed on (``Recovery.prepare``)."""
+
+    digest: str  # of the plan (timings left out) and how lost state comes back
+    dst_spec: LayoutSpec
+    dst: Layout
+    plan: Plan
+    lost: LostState
+    mode: str  # "exchange", "refill" or "rollback" (``Recovery._restore``)
+    write: Callable[[dict], object] | None  # this rank's checkpoint writer (refill, rollback)
+    carry: dict | None  # a rollback's training state, as ``job.carried`` gives it
+    src_store: dict | None  # this process's source state (None for a rollback)
+
+    def without_source(self) -> Prepared:
+        return replace(self, src_store=None)
+
+
+def _device(backend: str) -> torch.device:
+    """Where a rollback's destination storage lives: the job's GPU under NCCL."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:400]
 
@@ -123,17 +160,17 @@ def _refusal(err: BaseException) -> str:
     return f"{code} {type(err).__name__}: {_line(err)}"
 
 
-def _bad(votes: dict[str, str | None], ok: str) -> tuple[str, str, bool] | None:
+def _bad(votes: dict[str, str | None], ok: str) -> tuple[str, str, int] | None:
     """The first device whose vote is not ``ok`` (``"ok"`` or ``"ok <digest>"``): (device,
-    why, whether its input was refused); None if every vote is ``ok``."""
+    why, the exit status its refusal carries); None if every vote is ``ok``."""
     for d, v in votes.items():
         if v is None:
-            return d, "no vote (its process died or hangs)", False
+            return d, "no vote (its process died or hangs)", EXIT_ABORTED
         if v.startswith("ok") and v != ok:
-            return d, "the survivors planned different recoveries", False
+            return d, "the survivors planned different recoveries", EXIT_ABORTED
         if v != ok:
             code, _, why = v.partition(" ")
-            return d, why, code == "2"
+            return d, why, int(code) if code.isdigit() else EXIT_ABORTED
     return None
 
 
@@ -156,9 +193,9 @@ class Recovery:
         self.seconds[what] = now - self._mark
         self._mark = now
 
-    def _fail(self, what: str, bad_input: bool, keep_job: bool = True) -> RecoveryFailed:
+    def _fail(self, what: str, code: int, keep_job: bool = True) -> RecoveryFailed:
         return RecoveryFailed(f"{self.me}: recovery failed: {what}",
-                              self.job if keep_job else None, bad_input)
+                              self.job if keep_job else None, code)
 
     # ---- 1. who is gone ----------------------------------------------------------------------
 
@@ -167,11 +204,12 @@ class Recovery:
         sw, rdzv, devices = self.sw, self.rdzv, self.src.devices
         unknown = sorted(given - set(devices))
         if unknown:
-            raise self._fail(f"failed: {unknown[0]} is not a device of the job's layout", True)
+            raise self._fail(f"failed: {unknown[0]} is not a device of the job's layout",
+                             EXIT_BAD_INPUT)
         if rdzv.count(f"{self.name}/claim", 1) == 1:
             # Keep the switch numbering spares follow: announce this number, naming no joiner.
             if rdzv.count("latest", 1) != self.g:
-                raise self._fail("another job uses this rendezvous prefix", True)
+                raise self._fail("another job uses this rendezvous prefix", EXIT_BAD_INPUT)
             doc = spec_to_dict(self.src_spec, devices)
             rdzv.post(f"switch/{self.g}", {"src": doc, "dst": doc, "recovery": True})
         liveness = sw.liveness
@@ -179,48 +217,71 @@ class Recovery:
         def dead() -> set[str]:
             return set(given) | (liveness.stale(devices) if liveness is not None else set())
 
-        missing = rdzv.present(f"{self.name}/here", devices, self.me, sw.timeout, dead=dead)
+        # A survivor blocked in a collective on the dead beats on and arrives once its
+        # group's timeout releases it: wait for it that long beyond the timeout.
+        wait = sw.timeout + (sw.collective_timeout or 0.0)
+        missing = rdzv.present(f"{self.name}/here", devices, self.me, wait, dead=dead)
         proposal = sorted(set(missing) | given)
         agreed = tuple(rdzv.propose(f"{self.name}/failed", {"failed": proposal})["failed"])
         self._lap("detect")
         if not agreed:
             raise self._fail("every device of the job answered: nothing failed (a switch "
-                             "without failures is switch())", True)
+                             "without failures is switch())", EXIT_BAD_INPUT)
         if self.me in agreed:
             raise self._fail("the other processes declared this device failed (it did not "
-                             f"answer within {sw.timeout:.1f} s); it must leave the job", False,
-                             keep_job=False)
+                             f"answer within {wait:.1f} s); it must leave the job",
+                             EXIT_ABORTED, keep_job=False)
         survivors = [d for d in devices if d not in agreed]
         bad = _bad(rdzv.vote(f"{self.name}/confirm", survivors, self.me, "ok"), "ok")
         if bad is not None:
             raise self._fail(f"{bad[0]} did not confirm the failed devices ({bad[1]}); call "
-                             "recover again", False)
+                             "recover again", EXIT_ABORTED)
         self._lap("agree")
         return agreed
 
-    # ---- 2. + 3. where to, and can the checkpoint fill what was lost -------------------------
+    def agree_step(self, survivors: tuple[str, ...]) -> dict[str, tuple[int, int | str]]:
+        """Every survivor's (iteration, Adam step), as each posted it. They differ when the
+        failure struck inside an optimizer step (some survivors stepped, others not), and the
+        step is ahead of the iteration on a survivor stopped in the parameter all-gather."""
+        try:
+            step: int | str = read_step(self.job.optimizer)
+        except LayoutError:  # its optimizers disagree: it stopped between two of them
+            step = "mixed"
+        votes = self.rdzv.vote(f"{self.name}/step", survivors, self.me,
+                               f"{self.job.iteration}:{step}")
+        out = {}
+        for d, v in votes.items():
+            if v is None:
+                raise self._fail(f"{d} did not post its step (its process died or hangs); "
+                                 "call recover again", EXIT_ABORTED)
+            it, _, s = v.partition(":")
+            out[d] = (int(it), int(s) if s.isdigit() else s)
+        return out
 
-    def prepare(self, failed: tuple[str, ...], dst_spec: LayoutSpec | None,
-                checkpoint: str | None):
-        """Plan, verify, check the checkpoint and extract the source state; voted by every
-        survivor, so all go on or all raise the same refusal, before anything is torn down."""
+    # ---- 2. + 3. where to, and what restores what was lost ----------------------------------
+
+    def prepare(self, failed: tuple[str, ...], steps: dict, dst_spec: LayoutSpec | None,
+                checkpoint: str | None, rollback: bool | None) -> Prepared:
+        """Plan, verify, choose how lost state comes back, check the checkpoint and extract the
+        source state; voted by every survivor, so all go on or all raise the same refusal,
+        before anything is torn down."""
         survivors = tuple(d for d in self.src.devices if d not in failed)
         out = None
         try:
-            out = self._prepare(failed, survivors, dst_spec, checkpoint)
-            outcome = "ok " + out[0]
+            out = self._prepare(failed, survivors, steps, dst_spec, checkpoint, rollback)
+            outcome = "ok " + out.digest
         except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
             outcome = _refusal(err)
         votes = self.rdzv.vote(f"{self.name}/ready", survivors, self.me, outcome)
         # This process's own refusal first: the line it names is the one it can explain.
-        bad = _bad({self.me: outcome}, "ok " + out[0] if out else "ok") or _bad(votes, outcome)
+        bad = _bad({self.me: outcome}, "ok " + out.digest if out else "ok") or _bad(votes, outcome)
         self._lap("prepare")
         if bad is not None:
             raise self._fail(f"{bad[1]} (on {bad[0]}); the job keeps its state", bad[2])
         assert out is not None
-        return out[1:]
+        return out
 
-    def _prepare(self, failed, survivors, dst_spec, checkpoint):
+    def _prepare(self, failed, survivors, steps, dst_spec, checkpoint, rollback) -> Prepared:
         sw, src = self.sw, self.src
         gone = frozenset(failed)
         if dst_spec is None:
@@ -238,60 +299,116 @@ class Recovery:
             raise LayoutError("executor.process_devices still counts the failed devices as "
                               "processes of the switch (it must leave out plan.stats['failed'])")
         lost = LostState.from_json(plan.stats["lost"])
-        refill = None
-        if lost and self.me in dst.devices:
-            if checkpoint is None or sw.refill is None:
-                raise DynatrainError(f"checkpoint: {lost.summary()}; recover needs "
-                                     "checkpoint= and a LiveSwitcher refill to fill it")
-            ck_step, refill = sw.refill(str(checkpoint), dst, dst.devices.index(self.me), lost)
-            job_step = read_step(self.job.optimizer)
-            if ck_step is not None and ck_step != job_step:
-                raise DynatrainError(f"checkpoint {checkpoint}: holds Adam step {ck_step}, the "
-                                     f"job is at step {job_step}; refilling from it would mix "
-                                     "two iterations (give the checkpoint of this step)")
+        rank = dst.devices.index(self.me) if self.me in dst.devices else None
+        mode, write, carry = self._restore(dst, rank, lost, steps, checkpoint, rollback)
         src_view, dst_view = transition_views(src, dst)
-        # The job must run what its spec says (no collective: safe with broken groups).
-        check_job(src, src.devices.index(self.me), self.job.model_chunks, self.job.optimizer)
-        src_store = extract_state(src_view, src.devices.index(self.me), self.job.model_chunks,
-                                  self.job.optimizer)
+        src_store = None
+        if mode != "rollback":  # a rollback moves nothing: it reloads everything
+            # The job must run what its spec says (no collective: safe with broken groups).
+            check_job(src, src.devices.index(self.me), self.job.model_chunks,
+                      self.job.optimizer)
+            src_store = extract_state(src_view, src.devices.index(self.me),
+                                      self.job.model_chunks, self.job.optimizer)
         doc = plan_to_json(plan)
         del doc["summary"]  # timings: the only part that differs between processes
+        doc["restore"] = [mode, checkpoint if mode != "exchange" else None]
         digest = hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(),
                                  digest_size=16).hexdigest()
-        return digest, dst_spec, dst, plan, lost, refill, src_store
+        return Prepared(digest, dst_spec, dst, plan, lost, mode, write, carry, src_store)
+
+    def _restore(self, dst: Layout, rank: int | None, lost: LostState, steps: dict,
+                 checkpoint: str | None, rollback: bool | None):
+        """How the survivors get every piece of state of one step back: ``"exchange"``
+        (everything survives, at one step), ``"refill"`` (the lost ranges from a checkpoint of
+        the survivors' very step) or ``"rollback"`` (every destination rank reloads the whole
+        checkpoint, of any step, with the training state it was saved with: what a restart
+        from it gives). The same on every survivor: it depends only on what they all see.
+        Returns (mode, this rank's checkpoint writer or None, the carried training state of a
+        rollback or None)."""
+        sw = self.sw
+        held = sorted(set(steps.values()), key=repr)
+        one_step = len(held) == 1
+        if rollback is not True and one_step and not lost:
+            return "exchange", None, None
+        if one_step:
+            need = f"state lost: {lost.summary()}" if lost else "a rollback was asked for"
+        else:
+            # Some survivors finished an optimizer step the others did not begin (the failure
+            # struck inside it): no exchange brings them to one step.
+            ahead = ", ".join(f"{d} at iteration {i}, step {s}" for d, (i, s) in steps.items())
+            need = (f"the survivors hold different steps ({ahead}): the failure struck inside "
+                    "an optimizer step")
+        if checkpoint is None or sw.refill is None:
+            raise LostForGood(f"{need}, and no checkpoint restores it (recover needs "
+                              "checkpoint= and a LiveSwitcher refill: a checkpoint of this step "
+                              "to refill what was lost, of any step to roll back to)")
+        # Planned for rank 0 on a survivor the destination leaves out: its step is all it needs.
+        ck_step, write = sw.refill(checkpoint, dst, rank or 0, lost if lost else None)
+        job_step = held[0][1] if one_step else None
+        if rollback is not True and one_step and lost and (ck_step is None or ck_step == job_step):
+            return "refill", write if rank is not None else None, None
+        if rollback is False or sw.train_state is None:
+            if not one_step:
+                raise LostForGood(f"{need}; rolling back to checkpoint {checkpoint} needs "
+                                  "rollback allowed and a LiveSwitcher train_state")
+            raise DynatrainError(f"checkpoint {checkpoint}: holds Adam step {ck_step}, the "
+                                 f"job is at step {job_step}; refilling from it would mix "
+                                 "two iterations (give the checkpoint of this step, or a "
+                                 "LiveSwitcher train_state to roll back to it)")
+        carry = sw.train_state(checkpoint)
+        missing = sorted({"iteration", "consumed_samples", "scheduler"} - set(carry))
+        if missing:
+            raise DynatrainError(f"checkpoint {checkpoint}: its training state has no "
+                                 f"{missing[0]} (train_state must return what job.carried does)")
+        if rank is None:
+            return "rollback", None, carry
+        return "rollback", sw.refill(checkpoint, dst, rank, None)[1], carry
 
     # ---- 4. + 5. move, refill, build ---------------------------------------------------------
 
-    def run(self, given: frozenset[str], dst_spec: LayoutSpec | None,
-            checkpoint: str | None) -> tuple[SwitchResult, LayoutSpec]:
+    def run(self, given: frozenset[str], dst_spec: LayoutSpec | None, checkpoint: str | None,
+            rollback: bool | None = None) -> tuple[SwitchResult, LayoutSpec]:
         """Recover (steps 1-5); the result and the destination's spec."""
         failed = self.agree_failed(given)
-        dst_spec, dst, plan, lost, refill, src_store = self.prepare(failed, dst_spec, checkpoint)
+        survivors = tuple(d for d in self.src.devices if d not in failed)
+        steps = self.agree_step(survivors)
+        p = self.prepare(failed, steps, dst_spec, checkpoint, rollback)
         from megatron.core import parallel_state as ps
 
         sw, rdzv = self.sw, self.rdzv
         saved = sw._save_global()
-        carry = carried(self.job)
-        union = tuple(d for d in process_devices(plan) if d not in failed)
-        survivors = tuple(d for d in self.src.devices if d not in failed)
+        carry = p.carry if p.mode == "rollback" else carried(self.job)
+        union = tuple(d for d in process_devices(p.plan) if d not in failed)
         new, outcome, report, refilled = None, "ok", {}, 0
+        src_store, p = p.src_store, p.without_source()
         try:
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
-            rdzv.form(f"{self.name}/switch", union, self.me)  # destroys the broken group
-            self._lap("switch_group")
-            src_view, dst_view = transition_views(self.src, dst)
-            dst_store, report = switch(plan, src_view, dst_view, self.me, src_store, None,
-                                       timeout=sw.timeout, check_transfers=sw.check_transfers)
-            src_store = None
-            self._lap("exchange")
-            rdzv.leave()
-            if self.me in dst.devices:
-                if refill is not None:
-                    refill(dst_store)
-                    refilled = _refilled_bytes(lost, dst_view, dst.devices.index(self.me))
-                self._lap("refill")
-                new = self._build(dst_spec, dst, dst_view, dst_store, carry)
+            src_view, dst_view = transition_views(self.src, p.dst)
+            rank = p.dst.devices.index(self.me) if self.me in p.dst.devices else None
+            if p.mode == "rollback":
+                rdzv.leave()  # the broken group; nothing moves between survivors
+                dst_store = (allocate(dst_view, rank, _device(rdzv.backend))
+                             if rank is not None else None)
+            else:
+                rdzv.form(f"{self.name}/switch", union, self.me)  # destroys the broken group
+                self._lap("switch_group")
+                dst_store, report = switch(p.plan, src_view, dst_view, self.me, src_store,
+                                           None, timeout=sw.timeout,
+                                           check_transfers=sw.check_transfers)
+                src_store = None
+                self._lap("exchange")
+                rdzv.leave()
+            if rank is not None:
+                if p.write is not None:
+                    p.write(dst_store)
+                    # A rollback reloads all of the rank's state (its step counters are set,
+                    # not read).
+                    refilled = (_refilled_bytes(p.lost, dst_view, rank) if p.mode == "refill"
+                                else sum(t.numel() * t.element_size()
+                                         for k, t in dst_store.items() if k[0] != "step"))
+                self._lap("reload" if p.mode == "rollback" else "refill")
+                new = self._build(p.dst_spec, p.dst, dst_view, dst_store, carry)
             del dst_store
         except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
             outcome = _refusal(err)
@@ -307,14 +424,16 @@ class Recovery:
                 sw.global_state.restore(saved)
             raise self._fail(f"{bad[1]} (on {bad[0]}); every survivor keeps its source state "
                              "(its groups are gone): call recover again", bad[2])
-        if union.index(self.me) == 0:
+        if (survivors if p.mode == "rollback" else union).index(self.me) == 0:
             rdzv.post(f"done/{self.g}", {"outcome": "recovered"})
         role = "stayed" if new is not None else "left"
         self.seconds["downtime"] = sum(self.seconds.values())
-        info = {"failed": list(failed), "dst": dst_spec.name, "devices": list(dst.devices),
-                "lost_bytes": lost.nbytes, "refilled_bytes": refilled,
-                "plan_bytes_moved": plan.stats["bytes_moved"]}
-        return SwitchResult(new, report, dict(self.seconds), role, self.g, info), dst_spec
+        info = {"failed": list(failed), "dst": p.dst_spec.name, "devices": list(p.dst.devices),
+                "lost_bytes": p.lost.nbytes, "refilled_bytes": refilled, "mode": p.mode,
+                "steps": {d: list(s) for d, s in steps.items()},
+                "iteration": int(carry["iteration"]),
+                "plan_bytes_moved": p.plan.stats["bytes_moved"] if p.mode != "rollback" else 0}
+        return SwitchResult(new, report, dict(self.seconds), role, self.g, info), p.dst_spec
 
     def _build(self, dst_spec: LayoutSpec, dst: Layout, dst_view, dst_store: dict,
                carry: dict) -> MegatronJob:

@@ -1,0 +1,122 @@
+"""Test support for failures inside an iteration: a megatron job in forked processes loses one
+process in the middle of a forward pass, long after its newest checkpoint, and the survivors
+roll back in place.
+
+The job checkpoints after iteration 1 only, trains iterations 2 and 3, and in iteration 4 one
+process stops (SIGSTOP: a hang, its sockets stay open) inside its second micro-batch's
+forward pass. The survivors are blocked in collectives with it or with each other; the job's
+bounded group timeout (``collective_timeout``) releases each, they ``recover`` (the stopped one
+is found by its heartbeat), and, since the stopped process's DistributedOptimizer shard of step
+3 exists nowhere else and the checkpoint is of step 1, every survivor reloads the checkpoint in
+the suggested layout on the three survivors: a rollback in place. Then a second process dies
+(SIGKILL) inside a forward pass; with no checkpoint given the recovery is refused on both
+survivors with exit status 3 (state lost), job untouched, and a retry with the checkpoint
+rolls back again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import torch.distributed as dist
+
+from dynatrain.runtime.megatron import LiveSwitcher, RecoveryFailed, Rendezvous
+from dynatrain.verify.check import check
+from matrix import to_harness_cfg, to_spec
+
+from . import elastic, live
+from . import recovery as rec
+
+
+def train_state(ckpt: str) -> dict:
+    """``LiveSwitcher``'s ``train_state``: what ``elastic.Trainer.save`` kept with ``ckpt``."""
+    with open(os.path.join(ckpt, "common_train_state.json")) as f:
+        common = json.load(f)
+    return {"iteration": common["iteration"], "consumed_samples": common["consumed_samples"],
+            "scheduler": common["scheduler"], "extra": {}}
+
+
+def _fail_in_forward(job, sig: int, at_call: int = 2) -> None:
+    """Send ``sig`` to this process at the start of its ``at_call``-th forward pass."""
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] == at_call:
+            os.kill(os.getpid(), sig)
+
+    job.model_chunks[0].register_forward_pre_hook(hook)
+
+
+def worker(base: dict, device: str, devices: list[str], stopped: str, killed: str,
+           ckpt_dir: str, global_batch: int, timeout: float, collective: float):
+    spec_a = to_spec(base)
+
+    def fn(store) -> dict:
+        rdzv = Rendezvous(store, "gloo", prefix="job", timeout=timeout)
+        tr = elastic.Trainer({spec_a.name: elastic.megatron_lm_config(to_harness_cfg(base))},
+                             global_batch)
+
+        def build(spec):
+            tr.configs.setdefault(spec.name, rec.config_of(base, spec))
+            return tr.build(spec)
+
+        rdzv.form("start", devices, device)
+        live.init_parallel(tr.configs[spec_a.name], distributed_timeout_minutes=collective / 60)
+        job = tr.build(spec_a)
+        sw = LiveSwitcher(spec_a, device, build, check, rendezvous=rdzv, timeout=timeout,
+                          heartbeat=0.1, stale_after=1.5, refill=rec.refill,
+                          train_state=train_state, collective_timeout=collective,
+                          init_kwargs=dict(create_gloo_process_groups=False))
+        ck = os.path.join(ckpt_dir, "step1")
+        tr.step(job)
+        tr.save(job, ck)
+        tr.step(job)
+        tr.step(job)
+        store.set(f"test/pid/{device}", str(os.getpid()))
+        out: dict = {}
+        if device == stopped:
+            _fail_in_forward(job, signal.SIGSTOP)
+        out["first"] = _fail_and_roll_back(tr, sw, job, ck)
+        job = sw_job = out["first"].pop("job")
+        if sw.layout is not None and sw.layout.devices[0] == device:
+            os.kill(int(store.get(f"test/pid/{stopped}")), signal.SIGKILL)  # clean up the hang
+        if sw_job is None:
+            return out
+        if device == killed:
+            _fail_in_forward(job, signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            tr.step(job)
+            out["second_released"] = None
+        except Exception as err:  # noqa: BLE001 — what a survivor sees of a dead peer
+            out["second_released"] = (type(err).__name__, time.monotonic() - t0)
+        try:
+            sw.recover(job)
+            out["lost"] = None
+        except RecoveryFailed as err:
+            out["lost"] = {"code": err.exit_code, "error": str(err), "same_job": err.job is job}
+        res = sw.recover(job, checkpoint=ck)
+        out["second"] = rec._checked(tr, sw, res, ck)
+        sw.close()
+        return out
+
+    return fn
+
+
+def _fail_and_roll_back(tr, sw: LiveSwitcher, job, ck: str) -> dict:
+    """Iteration 4, which a peer's failure interrupts; then the recovery (auto: a rollback)."""
+    t0 = time.monotonic()
+    try:
+        tr.step(job)
+        released = None
+    except Exception as err:  # noqa: BLE001 — released by the bounded group timeout
+        released = (type(err).__name__, time.monotonic() - t0)
+    iteration = job.iteration
+    res = sw.recover(job, checkpoint=ck)
+    out = rec._checked(tr, sw, res, ck)
+    out.update(released=released, iteration_before=iteration, job=res.job)
+    return out

@@ -112,6 +112,25 @@ def test_candidates_are_valid_specs_on_exactly_the_devices(llama, n):
         assert specs[0].parallel == llama.parallel  # the source's own layout comes first
 
 
+def test_candidates_keep_as_many_optimizer_instances_as_the_data_parallel_size_allows(llama):
+    # Two DistributedOptimizer instances (every optimizer shard on two devices): what lets a
+    # recovery lose nothing. Kept wherever the candidate's DP divides by 2, else one.
+    doc = spec_to_dict(llama)
+    doc["parallel"] = dict(doc["parallel"], tp=1, num_distributed_optimizer_instances=2)
+    two = spec_from_dict(doc)
+    devices = Layout(two).devices
+    for n in (6, 3):
+        specs = candidate_layouts(two, devices[:n])
+        assert specs
+        for spec in specs:
+            dp = Layout(spec).dp * spec.parallel.cp
+            want = 2 if dp % 2 == 0 else 1
+            assert spec.parallel.num_distributed_optimizer_instances == want, sg.grid_text(spec)
+        assert any(s.parallel.num_distributed_optimizer_instances == 1 for s in specs)
+        if n == 6:
+            assert any(s.parallel.num_distributed_optimizer_instances == 2 for s in specs)
+
+
 def test_candidates_keep_tp_inside_a_node(llama):
     # 3 + 3 devices on two nodes: a tp2 group would pair node0:gpu2 with node1:gpu0 (tp3 and
     # tp6 do not divide the 32 heads).

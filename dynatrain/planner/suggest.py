@@ -223,7 +223,8 @@ def candidate_layouts(spec: LayoutSpec, devices: Sequence[str]) -> list[LayoutSp
 
     Tries tp, pp (divisors of the world), vpp (none, 2, 4 and the source's), cp (the source's,
     and 1), ep (divisors of the expert count) and etp (1 or tp); keeps the source's other
-    settings (optimizer, state kinds, buckets, order; uneven first/last stages only at the
+    settings (optimizer, state kinds, buckets, order, DistributedOptimizer instances where the
+    data-parallel size allows, else fewer; uneven first/last stages only at the
     source's pp). The spec rules decide validity; TP and expert-TP groups must stay within a
     node. At most ``MAX_CANDIDATES`` configurations are tried, the source's first.
 
@@ -262,9 +263,8 @@ def _enumerate(spec: LayoutSpec, devices: tuple[str, ...]
         if c["pp"] != spec.parallel.pp or c.get("vpp") != spec.parallel.vpp:
             par.pop("pipeline_model_parallel_layout", None)  # its stages fix pp and vpp
         par.update({k: v for k, v in c.items() if v is not None})
-        try:
-            cand = spec_from_dict({**doc, "parallel": par}, "candidate")
-        except SpecError:
+        cand = _with_most_instances(doc, par)
+        if cand is None:
             invalid += 1
             continue
         if not _groups_within_nodes(Layout(cand)):
@@ -274,6 +274,21 @@ def _enumerate(spec: LayoutSpec, devices: tuple[str, ...]
         named = cand.model_copy(update={"name": f"{model_name} {grid}" if model_name else grid})
         out.append(named)
     return out, considered, invalid, across, truncated
+
+
+def _with_most_instances(doc: dict, par: dict) -> LayoutSpec | None:
+    """The candidate with as many DistributedOptimizer instances as the source keeps (each
+    one a full copy of the optimizer state: the redundancy a failure is recovered from without
+    a checkpoint), fewer where its data-parallel size does not divide; None: invalid."""
+    key = "num_distributed_optimizer_instances"
+    most = int(par.get(key, 1))
+    for inst in (n for n in range(most, 0, -1) if most % n == 0):
+        try:
+            return spec_from_dict({**doc, "parallel": {**par, key: inst} if most > 1 else par},
+                                  "candidate")
+        except SpecError:
+            continue
+    return None
 
 
 def _groups_within_nodes(layout: Layout) -> bool:

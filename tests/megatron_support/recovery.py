@@ -48,7 +48,8 @@ def config_of(base: dict, spec) -> dict:
     """The harness config of ``spec``'s layout of ``base``'s model (e.g. a suggested one)."""
     p = spec.parallel
     cfg = dict(base, name=spec.name, world=len(Layout(spec).devices), tp=p.tp, pp=p.pp,
-               vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp)
+               vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp,
+               num_distributed_optimizer_instances=p.num_distributed_optimizer_instances)
     return elastic.megatron_lm_config(to_harness_cfg(cfg))
 
 

@@ -1,6 +1,7 @@
-"""Test support for failures inside an iteration: a megatron job in forked processes loses one
-process in the middle of a forward pass, long after its newest checkpoint, and the survivors
-roll back in place.
+"""Test support for failures inside an iteration.
+
+``worker``: a megatron job in forked processes loses one process in the middle of a forward
+pass, long after its newest checkpoint, and the survivors roll back in place.
 
 The job checkpoints after iteration 1 only, trains iterations 2 and 3, and in iteration 4 one
 process stops (SIGSTOP: a hang, its sockets stay open) inside its second micro-batch's
@@ -12,6 +13,9 @@ the suggested layout on the three survivors: a rollback in place. Then a second 
 (SIGKILL) inside a forward pass; with no checkpoint given the recovery is refused on both
 survivors with exit status 3 (state lost), job untouched, and a retry with the checkpoint
 rolls back again.
+
+``redundant_worker``: a job with a second optimizer instance loses a process inside an
+iteration and recovers with no checkpoint at all.
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ import json
 import os
 import signal
 import time
-
-import torch.distributed as dist
 
 from dynatrain.runtime.megatron import LiveSwitcher, RecoveryFailed, Rendezvous
 from dynatrain.verify.check import check
@@ -120,3 +122,47 @@ def _fail_and_roll_back(tr, sw: LiveSwitcher, job, ck: str) -> dict:
     out = rec._checked(tr, sw, res, ck)
     out.update(released=released, iteration_before=iteration, job=res.job)
     return out
+
+
+def redundant_worker(base: dict, device: str, devices: list[str], killed: str, ckpt_dir: str,
+                     global_batch: int, timeout: float, collective: float):
+    """A job whose optimizer state has a second copy at every step (megatron's
+    ``num_distributed_optimizer_instances=2``) loses ``killed`` (SIGKILL) in the forward pass of
+    iteration 3 and recovers with no checkpoint at all. The checkpoint of iteration 2 is saved
+    for the test's oracle only: ``recover`` is not given it."""
+    spec_a = to_spec(base)
+
+    def fn(store) -> dict:
+        rdzv = Rendezvous(store, "gloo", prefix="job", timeout=timeout)
+        tr = elastic.Trainer({spec_a.name: elastic.megatron_lm_config(to_harness_cfg(base))},
+                             global_batch)
+
+        def build(spec):
+            tr.configs.setdefault(spec.name, rec.config_of(base, spec))
+            return tr.build(spec)
+
+        rdzv.form("start", devices, device)
+        live.init_parallel(tr.configs[spec_a.name], distributed_timeout_minutes=collective / 60)
+        job = tr.build(spec_a)
+        sw = LiveSwitcher(spec_a, device, build, check, rendezvous=rdzv, timeout=timeout,
+                          heartbeat=0.1, stale_after=1.5, collective_timeout=collective,
+                          init_kwargs=dict(create_gloo_process_groups=False))
+        oracle = os.path.join(ckpt_dir, "oracle-step2")
+        tr.step(job)
+        tr.step(job)
+        tr.save(job, oracle)
+        if device == killed:
+            _fail_in_forward(job, signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            tr.step(job)
+            released = None
+        except Exception as err:  # noqa: BLE001 — what a survivor sees of a dead peer
+            released = (type(err).__name__, time.monotonic() - t0)
+        res = sw.recover(job)  # no checkpoint
+        out = rec._checked(tr, sw, res, oracle)
+        out["released"] = released
+        sw.close()
+        return out
+
+    return fn

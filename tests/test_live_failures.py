@@ -1,6 +1,6 @@
-"""Failures inside an iteration, with only an old checkpoint: bounded release, rollback in
-place, and exit status 3 when nothing can restore the lost state
-(``megatron_support.rollback`` tells the story).
+"""Failures inside an iteration: bounded release, no checkpoint needed where megatron keeps a
+second copy of the optimizer state, rollback in place where the newest checkpoint is old, and
+exit status 3 when nothing can restore the lost state (``megatron_support.failures``).
 
 Four forked processes train TP2·DP2 with a checkpoint of iteration 1 only. In iteration 4
 node0:gpu1 stops (SIGSTOP) in a forward pass: every survivor's collective is released within
@@ -13,6 +13,12 @@ lr/wd, iteration, consumed samples), and the next iteration's losses are equal. 
 node0:gpu0 dies (SIGKILL) in a forward pass: without a checkpoint the recovery is refused on
 both survivors with exit status 3 and the job untouched; with it they roll back again, bit for
 bit.
+
+With ``num_distributed_optimizer_instances=2`` (DP4: every optimizer shard exists on two
+devices, at the same step), a process killed inside an iteration loses nothing: the survivors
+recover with no checkpoint at all, and hold, bit for bit, the state of the last finished
+iteration as megatron's reload of a checkpoint of it (saved for the test only) gives it in the
+survivors' layout.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import tempfile
 
 from matrix import case
 from megatron_support import elastic
-from megatron_support import rollback as rb
+from megatron_support import failures as fl
 
 MODEL = dict(num_layers=4, num_query_groups=2, swiglu=True, vocab_size=200)
 DEV = [f"node0:gpu{i}" for i in range(4)]
@@ -32,7 +38,7 @@ TIMEOUT, COLLECTIVE = 30.0, 6.0
 def test_failure_inside_an_iteration_rolls_back_in_place_bit_exact() -> None:
     base = case("a", 4, tp=2, **MODEL)
     with tempfile.TemporaryDirectory(prefix="live_rollback_") as ckpt:
-        fns = {d: rb.worker(base, d, DEV, STOPPED, KILLED, ckpt, 6, TIMEOUT, COLLECTIVE)
+        fns = {d: fl.worker(base, d, DEV, STOPPED, KILLED, ckpt, 6, TIMEOUT, COLLECTIVE)
                for d in DEV}
         got = elastic.run_processes(fns, may_die=(STOPPED, KILLED), timeout=300.0)
     assert sorted(got) == ["node0:gpu2", "node0:gpu3"]  # both victims left no result
@@ -56,6 +62,26 @@ def test_failure_inside_an_iteration_rolls_back_in_place_bit_exact() -> None:
         assert second["recovery"]["failed"] == [KILLED], second["recovery"]
         assert second["recovery"]["mode"] == "rollback"
         _assert_equal_to_reload(d, second)
+
+
+def test_a_second_optimizer_instance_needs_no_checkpoint() -> None:
+    base = case("instances2", 4, num_distributed_optimizer_instances=2, **MODEL)
+    with tempfile.TemporaryDirectory(prefix="live_redundant_") as ckpt:
+        fns = {d: fl.redundant_worker(base, d, DEV, KILLED, ckpt, 12, TIMEOUT, COLLECTIVE)
+               for d in DEV}
+        got = elastic.run_processes(fns, may_die=(KILLED,), timeout=300.0)
+    assert sorted(got) == DEV[1:]
+    for d, r in got.items():
+        assert r["released"] is not None and r["released"][1] < 3 * COLLECTIVE + 10, r
+        rc = r["recovery"]
+        assert rc["failed"] == [KILLED] and rc["mode"] == "exchange", (d, rc)
+        assert rc["lost_bytes"] == 0 and rc["refilled_bytes"] == 0 and r["written"] == []
+        assert set(map(tuple, rc["steps"].values())) == {(2, 2)}, rc["steps"]
+        if r["role"] == "stayed":
+            assert r["pre"] == [] and r["post"] == [], (d, r["pre"][:5], r["post"][:5])
+            assert r["n_state"] > 10
+            assert r["losses"][0]["losses"] == r["losses"][1]["losses"], (d, r["losses"])
+    assert any(r["role"] == "stayed" for r in got.values())
 
 
 def _assert_equal_to_reload(d: str, e: dict) -> None:

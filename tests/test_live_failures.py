@@ -84,9 +84,42 @@ def test_a_second_optimizer_instance_needs_no_checkpoint() -> None:
     assert any(r["role"] == "stayed" for r in got.values())
 
 
+# (victim, phase, DP devices to go on with: None takes suggest's choice). The survivors stay
+# data-parallel, so that each step ends in a parameter all-gather.
+PHASES = [("node0:gpu3", "reduce_scatter", None),
+          ("node0:gpu2", "optimizer_step", ["node0:gpu0", "node0:gpu1"]),
+          ("node0:gpu1", "param_all_gather", None)]
+
+
+def test_a_death_in_each_phase_of_the_step_is_refilled_or_rolled_back_exactly() -> None:
+    """DP4 with the DistributedOptimizer loses a process in the gradient reduce-scatter (no
+    survivor stepped: the checkpoint of the last iteration refills the lost shard exactly), then
+    one in its optimizer step and one in the parameter all-gather (the survivors stepped, so the
+    step's state is lost with the dead shard: every survivor rolls back to the checkpoint of the
+    last finished iteration). Each time, bit for bit megatron's reload of that checkpoint."""
+    base = case("phases", 4, **MODEL)
+    with tempfile.TemporaryDirectory(prefix="live_phases_") as ckpt:
+        fns = {d: fl.phases_worker(base, d, DEV, PHASES, ckpt, 12, TIMEOUT, COLLECTIVE)
+               for d in DEV}
+        got = elastic.run_processes(fns, may_die=tuple(v[0] for v in PHASES), timeout=400.0)
+    assert sorted(got) == ["node0:gpu0"]
+    r = got["node0:gpu0"]
+    want = {"reduce_scatter": ("refill", {(1, 1)}), "optimizer_step": ("rollback", {(2, 3)}),
+            "param_all_gather": ("rollback", {(3, 4)})}
+    for victim, phase, _ in PHASES:
+        e = r[phase]
+        mode, steps = want[phase]
+        assert e["released"] is not None, (phase, e)
+        assert e["recovery"]["failed"] == [victim], (phase, e["recovery"])
+        assert e["recovery"]["mode"] == mode, (phase, e["recovery"])
+        assert set(map(tuple, e["recovery"]["steps"].values())) == steps, (phase, e["recovery"])
+        _assert_equal_to_reload(phase, e)
+
+
 def _assert_equal_to_reload(d: str, e: dict) -> None:
     assert e["pre"] == [] and e["post"] == [], (d, e["pre"][:5], e["post"][:5])
     assert e["n_state"] > 10
     assert e["losses"][0]["losses"] == e["losses"][1]["losses"], (d, e["losses"])
-    # A rollback reloads the rank's whole state from the checkpoint, nothing else.
+    # A refill writes exactly this rank's share of the lost ranges, a rollback the rank's
+    # whole state; nothing else.
     assert e["written"] == [e["recovery"]["refilled_bytes"]], (d, e["written"], e["recovery"])

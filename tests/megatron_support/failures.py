@@ -166,3 +166,75 @@ def redundant_worker(base: dict, device: str, devices: list[str], killed: str, c
         return out
 
     return fn
+
+
+def _die_in(phase: str, job) -> None:
+    """SIGKILL this process when it enters ``phase`` of its next iteration: the gradient
+    reduce-scatter, its optimizer's own step (after the grad-norm all-reduce every rank took
+    part in) or the parameter all-gather that ends the step."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    from dynatrain.runtime.megatron.bridge import _leaf_optimizers
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if phase == "reduce_scatter":
+        buffers.dist_reduce_scatter_func = die
+    elif phase == "param_all_gather":
+        buffers.dist_all_gather_func = die
+    elif phase == "optimizer_step":
+        for leaf in _leaf_optimizers(job.optimizer):
+            leaf.optimizer.step = die
+    else:
+        raise ValueError(phase)
+
+
+def phases_worker(base: dict, device: str, devices: list[str], victims: list[tuple],
+                  ckpt_dir: str, global_batch: int, timeout: float, collective: float):
+    """A DistributedOptimizer job that loses one process per entry of ``victims`` (device,
+    phase, the devices to go on with as DP only or None for ``suggest``'s choice), in that
+    order, each inside an iteration, with a checkpoint after the last finished iteration each
+    time; the survivors ``recover`` (auto: an exact refill when they all hold that iteration's
+    step, a rollback to it when the failure struck after some stepped)."""
+    spec_a = to_spec(base)
+
+    def fn(store) -> dict:
+        rdzv = Rendezvous(store, "gloo", prefix="job", timeout=timeout)
+        tr = elastic.Trainer({spec_a.name: elastic.megatron_lm_config(to_harness_cfg(base))},
+                             global_batch)
+
+        def build(spec):
+            tr.configs.setdefault(spec.name, rec.config_of(base, spec))
+            return tr.build(spec)
+
+        rdzv.form("start", devices, device)
+        live.init_parallel(tr.configs[spec_a.name], distributed_timeout_minutes=collective / 60)
+        job = tr.build(spec_a)
+        sw = LiveSwitcher(spec_a, device, build, check, rendezvous=rdzv, timeout=timeout,
+                          heartbeat=0.1, stale_after=1.5, refill=rec.refill,
+                          train_state=train_state, collective_timeout=collective,
+                          init_kwargs=dict(create_gloo_process_groups=False))
+        out: dict = {}
+        tr.step(job)
+        for n, (victim, phase, onto) in enumerate(victims):
+            ck = os.path.join(ckpt_dir, f"before{n}")
+            tr.save(job, ck)
+            if device == victim:
+                _die_in(phase, job)
+            try:
+                tr.step(job)
+                released = None
+            except Exception as err:  # noqa: BLE001 — what a survivor sees of a dead peer
+                released = type(err).__name__
+            dst = None if onto is None else rec.spec_on(base, f"dp{len(onto)}", onto, tp=1)
+            res = sw.recover(job, checkpoint=ck, dst_spec=dst)
+            out[phase] = rec._checked(tr, sw, res, ck)  # trains one more iteration
+            out[phase]["released"] = released
+            job = res.job
+            if job is None:
+                break
+        sw.close()
+        return out
+
+    return fn

@@ -1,4 +1,5 @@
-"""Hypothesis profiles for the property gate (tests/test_gate.py), chosen by DYNATRAIN_HYPOTHESIS.
+"""Hypothesis profiles for the property gate (tests/test_gate.py), chosen by DYNATRAIN_HYPOTHESIS;
+and the cleanup of what the TE tests' workers shared in a run.
 
 ``ci`` (the default) is derandomized, so every run checks the same examples and a red CI run
 is reproducible; ``deep`` draws fresh examples each run, many more of them, for hunting bugs.
@@ -7,7 +8,11 @@ Tests that pass their own settings profile (tests/test_spec_hostile.py) are unaf
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import tempfile
+import time
 
 from hypothesis import HealthCheck, settings
 
@@ -32,3 +37,19 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("DYNATRAIN_HYPOTHESIS", "ci"))
+
+
+def pytest_sessionstart(session) -> None:
+    session.config._dynatrain_started = time.time()
+
+
+def pytest_sessionfinish(session) -> None:
+    """On the controller (not an xdist worker): remove the TE facts earlier runs' workers
+    shared (``megatron_support.te._shared``); files of runs still going are newer."""
+    if hasattr(session.config, "workerinput"):
+        return
+    started = getattr(session.config, "_dynatrain_started", time.time())
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "dynatrain-te-*")):
+        with contextlib.suppress(OSError):
+            if os.path.getmtime(path) < started:
+                os.remove(path)

@@ -90,6 +90,10 @@ MOE = ("--num-layers", "2", "--use-distributed-optimizer", "--dist-ckpt-optim-fu
        "--moe-token-dispatcher-type", "allgather", "--moe-ffn-hidden-size", "64")
 
 
+# Deep profile: the dense test above covers the driver inside Megatron-LM's loop, and
+# test_live_switch's MoE cases (megatron-core's own training step, both versions) cover expert
+# parallel switches against megatron's reload; this one joins the two (about 3 minutes).
+@pytest.mark.slow
 def test_moe_expert_parallel_switch_equals_megatron_lm_restart(tmp_path):
     """An MoE job (4 experts, top-2) switches DP4·EP2 -> DP4·EP4 -> PP2·DP2·EP2 live; each
     switch equals Megatron-LM's restart into the destination layout bit for bit."""

@@ -18,6 +18,8 @@ bridge's extract/install on the TE job against megatron's own sharded state dict
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import subprocess
@@ -42,8 +44,32 @@ def te_facts(cases: list[tuple[dict, int]], probes: list | None = None,
     """
     key = json.dumps([cases, probes], sort_keys=True)
     if key not in _MEMO:
-        _MEMO[key] = _run_child(cases, probes, timeout)
+        _MEMO[key] = _shared(key, lambda: _run_child(cases, probes, timeout))
     return _MEMO[key]
+
+
+def _shared(key: str, compute):
+    """``compute()`` once per test run, also across pytest-xdist's workers (test modules on
+    other workers ask for the same cases): the first worker computes under a file lock and
+    leaves the JSON result for the others. Outside xdist, just ``compute()``."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        return compute()
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    base = os.path.join(tempfile.gettempdir(), f"dynatrain-te-{run}-{digest}")
+    with open(base + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.path.exists(base + ".json"):
+                with open(base + ".json") as f:
+                    return json.load(f)
+            out = compute()
+            with open(base + ".tmp", "w") as f:
+                json.dump(out, f)
+            os.replace(base + ".tmp", base + ".json")
+            return out
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _run_child(cases: list[tuple[dict, int]], probes: list | None, timeout: float) -> list:

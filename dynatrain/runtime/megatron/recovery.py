@@ -143,6 +143,14 @@ class Prepared:
         return replace(self, src_store=None)
 
 
+def _gather_in_flight(job: MegatronJob) -> bool:
+    """Whether the job's DistributedOptimizer gathers parameters during the next forward pass
+    (``overlap_param_gather``) rather than at the end of the step."""
+    cfg = getattr(job.model_chunks[0], "ddp_config", None) if job.model_chunks else None
+    return bool(cfg is not None and cfg.use_distributed_optimizer
+                and cfg.overlap_param_gather)
+
+
 def _device(backend: str) -> torch.device:
     """Where a rollback's destination storage lives: the job's GPU under NCCL."""
     if backend == "nccl":
@@ -327,10 +335,15 @@ class Recovery:
         rollback or None)."""
         sw = self.sw
         held = sorted(set(steps.values()), key=repr)
-        one_step = len(held) == 1
+        one_step = len(held) == 1 and not _gather_in_flight(self.job)
         if rollback is not True and one_step and not lost:
             return "exchange", None, None
-        if one_step:
+        if len(held) == 1 and not one_step:
+            # With the parameter all-gather overlapped into the next forward pass, a failure
+            # may leave the survivors' parameters partly of the last step, partly older.
+            need = ("the job overlaps its parameter all-gather with the forward pass "
+                    "(overlap_param_gather): the survivors' parameters may be partly gathered")
+        elif one_step:
             need = f"state lost: {lost.summary()}" if lost else "a rollback was asked for"
         else:
             # Some survivors finished an optimizer step the others did not begin (the failure
@@ -351,10 +364,11 @@ class Recovery:
             if not one_step:
                 raise LostForGood(f"{need}; rolling back to checkpoint {checkpoint} needs "
                                   "rollback allowed and a LiveSwitcher train_state")
+            how = ("recover(rollback=False) forbids rolling back to it" if rollback is False
+                   else "or a LiveSwitcher train_state to roll back to it")
             raise DynatrainError(f"checkpoint {checkpoint}: holds Adam step {ck_step}, the "
                                  f"job is at step {job_step}; refilling from it would mix "
-                                 "two iterations (give the checkpoint of this step, or a "
-                                 "LiveSwitcher train_state to roll back to it)")
+                                 f"two iterations (give the checkpoint of this step; {how})")
         carry = sw.train_state(checkpoint)
         missing = sorted({"iteration", "consumed_samples", "scheduler"} - set(carry))
         if missing:

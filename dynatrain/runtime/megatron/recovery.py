@@ -344,7 +344,7 @@ class Recovery:
             need = ("the job overlaps its parameter all-gather with the forward pass "
                     "(overlap_param_gather): the survivors' parameters may be partly gathered")
         elif one_step:
-            need = f"state lost: {lost.summary()}" if lost else "a rollback was asked for"
+            need = lost.summary() if lost else "a rollback was asked for"
         else:
             # Some survivors finished an optimizer step the others did not begin (the failure
             # struck inside it): no exchange brings them to one step.

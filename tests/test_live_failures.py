@@ -4,15 +4,17 @@ exit status 3 when nothing can restore the lost state (``megatron_support.failur
 
 Four forked processes train TP2·DP2 with a checkpoint of iteration 1 only. In iteration 4
 node0:gpu1 stops (SIGSTOP) in a forward pass: every survivor's collective is released within
-the job's collective timeout (never declared dead), the survivors agree that node0:gpu1 is gone
-and that they all hold iteration 3, and, since its DistributedOptimizer shard of step 3 exists
-nowhere else, roll back in place to the checkpoint in the layout ``suggest`` picks for three
-devices. Every survivor's state then equals, bit for bit, what megatron's own loader gives a
-fresh job of that layout from that checkpoint (params, DDP buffers, optimizer state, step,
-lr/wd, iteration, consumed samples), and the next iteration's losses are equal. Then
-node0:gpu0 dies (SIGKILL) in a forward pass: without a checkpoint the recovery is refused on
-both survivors with exit status 3 and the job untouched; with it they roll back again, bit for
-bit.
+the job's collective timeout (never declared dead). While the survivors recover, node0:gpu0
+dies building the destination job: the recovery fails on every survivor (exit status 4, the
+job kept) as soon as its heartbeat stops, and is called again. The two survivors agree that
+node0:gpu0 and gpu1 are gone and that they hold iteration 3, and, since gpu1's
+DistributedOptimizer shard of step 3 exists nowhere else, roll back in place to the
+checkpoint in the layout ``suggest`` picks for them. Every survivor's state then equals, bit
+for bit, what megatron's own loader gives a fresh job of that layout from that checkpoint
+(params, DDP buffers, optimizer state, step, lr/wd, iteration, consumed samples), and the next
+iteration's losses are equal. Then node0:gpu2 dies (SIGKILL) in a forward pass: without a
+checkpoint the recovery is refused on the last survivor with exit status 3 and the job
+untouched; with it it rolls back again, bit for bit.
 
 With ``num_distributed_optimizer_instances=2`` (DP4: every optimizer shard exists on two
 devices, at the same step), a process killed inside an iteration loses nothing: the survivors
@@ -31,24 +33,30 @@ from megatron_support import failures as fl
 
 MODEL = dict(num_layers=4, num_query_groups=2, swiglu=True, vocab_size=200)
 DEV = [f"node0:gpu{i}" for i in range(4)]
-STOPPED, KILLED = "node0:gpu1", "node0:gpu0"
+STOPPED, IN_RECOVERY, KILLED = "node0:gpu1", "node0:gpu0", "node0:gpu2"
 TIMEOUT, COLLECTIVE = 30.0, 6.0
 
 
 def test_failure_inside_an_iteration_rolls_back_in_place_bit_exact() -> None:
     base = case("a", 4, tp=2, **MODEL)
     with tempfile.TemporaryDirectory(prefix="live_rollback_") as ckpt:
-        fns = {d: fl.worker(base, d, DEV, STOPPED, KILLED, ckpt, 6, TIMEOUT, COLLECTIVE)
-               for d in DEV}
-        got = elastic.run_processes(fns, may_die=(STOPPED, KILLED), timeout=300.0)
-    assert sorted(got) == ["node0:gpu2", "node0:gpu3"]  # both victims left no result
+        fns = {d: fl.worker(base, d, DEV, STOPPED, IN_RECOVERY, KILLED, ckpt, 6, TIMEOUT,
+                            COLLECTIVE) for d in DEV}
+        got = elastic.run_processes(fns, may_die=(STOPPED, IN_RECOVERY, KILLED), timeout=300.0)
+    assert sorted(got) == ["node0:gpu3"]  # the victims left no result
     for d, r in got.items():
         first = r["first"]
         # Released by the group timeout (plus the time a peer's own release takes), not hung.
         assert first["released"] is not None, d
         assert first["released"][1] < 3 * COLLECTIVE + 10, (d, first["released"])
+        # A death inside the recovery: every survivor's attempt failed (exit status 4, job
+        # kept), soon after the dead heartbeat, not at the timeout; the retry went on.
+        [tried] = first["tries"]
+        assert tried["code"] == 4 and tried["same_job"], tried
+        assert tried["seconds"] < TIMEOUT, tried
         rc = first["recovery"]
-        assert rc["failed"] == [STOPPED] and rc["mode"] == "rollback", (d, rc)
+        assert rc["failed"] == [IN_RECOVERY, STOPPED], (d, rc)
+        assert rc["mode"] == "rollback", (d, rc)
         assert set(map(tuple, rc["steps"].values())) == {(3, 3)}, rc["steps"]
         assert rc["iteration"] == 1 and rc["lost_bytes"] > 0, rc
         assert first["role"] == "stayed"
@@ -56,6 +64,7 @@ def test_failure_inside_an_iteration_rolls_back_in_place_bit_exact() -> None:
         # Without a checkpoint nothing restores what node0:gpu0 alone held: exit status 3.
         lost = r["lost"]
         assert lost is not None and lost["code"] == 3 and lost["same_job"], (d, lost)
+        assert r["second_released"] is not None, r["second_released"]
         assert "state lost" in lost["error"] and "no checkpoint" in lost["error"], lost
         assert lost["error"].count("\n") == 0
         second = r["second"]

@@ -5,7 +5,8 @@ pass, long after its newest checkpoint, and the survivors roll back in place.
 
 The job checkpoints after iteration 1 only, trains iterations 2 and 3, and in iteration 4 one
 process stops (SIGSTOP: a hang, its sockets stay open) inside its second micro-batch's
-forward pass. The survivors are blocked in collectives with it or with each other; the job's
+forward pass; a second one dies (SIGKILL) while building the destination job of the first
+recovery, which fails on every survivor (exit status 4, job kept) and is called again. The survivors are blocked in collectives with it or with each other; the job's
 bounded group timeout (``collective_timeout``) releases each, they ``recover`` (the stopped one
 is found by its heartbeat), and, since the stopped process's DistributedOptimizer shard of step
 3 exists nowhere else and the checkpoint is of step 1, every survivor reloads the checkpoint in
@@ -53,8 +54,8 @@ def _fail_in_forward(job, sig: int, at_call: int = 2) -> None:
     job.model_chunks[0].register_forward_pre_hook(hook)
 
 
-def worker(base: dict, device: str, devices: list[str], stopped: str, killed: str,
-           ckpt_dir: str, global_batch: int, timeout: float, collective: float):
+def worker(base: dict, device: str, devices: list[str], stopped: str, in_recovery: str,
+           killed: str, ckpt_dir: str, global_batch: int, timeout: float, collective: float):
     spec_a = to_spec(base)
 
     def fn(store) -> dict:
@@ -63,6 +64,8 @@ def worker(base: dict, device: str, devices: list[str], stopped: str, killed: st
                              global_batch)
 
         def build(spec):
+            if device == in_recovery:  # a second failure, inside the first recovery
+                os.kill(os.getpid(), signal.SIGKILL)
             tr.configs.setdefault(spec.name, rec.config_of(base, spec))
             return tr.build(spec)
 
@@ -118,9 +121,20 @@ def _fail_and_roll_back(tr, sw: LiveSwitcher, job, ck: str) -> dict:
     except Exception as err:  # noqa: BLE001 — released by the bounded group timeout
         released = (type(err).__name__, time.monotonic() - t0)
     iteration = job.iteration
-    res = sw.recover(job, checkpoint=ck)
+    tries = []  # recoveries that a further failure made fail
+    while True:
+        t0 = time.monotonic()
+        try:
+            res = sw.recover(job, checkpoint=ck)
+            break
+        except RecoveryFailed as err:
+            tries.append({"code": err.exit_code, "error": str(err), "same_job": err.job is job,
+                          "seconds": time.monotonic() - t0, "written": list(rec.WRITTEN)})
+            rec.WRITTEN.clear()
+            if len(tries) > 1:
+                raise
     out = rec._checked(tr, sw, res, ck)
-    out.update(released=released, iteration_before=iteration, job=res.job)
+    out.update(released=released, iteration_before=iteration, job=res.job, tries=tries)
     return out
 
 

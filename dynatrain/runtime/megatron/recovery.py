@@ -201,6 +201,12 @@ class Recovery:
         self.seconds[what] = now - self._mark
         self._mark = now
 
+    def _dead(self) -> set[str]:
+        """Devices whose heartbeat stopped: a vote stops waiting for them (a second failure
+        during the recovery fails it at once, and ``recover`` may be called again)."""
+        live = self.sw.liveness
+        return live.stale(self.src.devices) if live is not None else set()
+
     def _fail(self, what: str, code: int, keep_job: bool = True) -> RecoveryFailed:
         return RecoveryFailed(f"{self.me}: recovery failed: {what}",
                               self.job if keep_job else None, code)
@@ -240,7 +246,8 @@ class Recovery:
                              f"answer within {wait:.1f} s); it must leave the job",
                              EXIT_ABORTED, keep_job=False)
         survivors = [d for d in devices if d not in agreed]
-        bad = _bad(rdzv.vote(f"{self.name}/confirm", survivors, self.me, "ok"), "ok")
+        bad = _bad(rdzv.vote(f"{self.name}/confirm", survivors, self.me, "ok",
+                             dead=self._dead), "ok")
         if bad is not None:
             raise self._fail(f"{bad[0]} did not confirm the failed devices ({bad[1]}); call "
                              "recover again", EXIT_ABORTED)
@@ -256,7 +263,7 @@ class Recovery:
         except LayoutError:  # its optimizers disagree: it stopped between two of them
             step = "mixed"
         votes = self.rdzv.vote(f"{self.name}/step", survivors, self.me,
-                               f"{self.job.iteration}:{step}")
+                               f"{self.job.iteration}:{step}", dead=self._dead)
         out = {}
         for d, v in votes.items():
             if v is None:
@@ -280,7 +287,8 @@ class Recovery:
             outcome = "ok " + out.digest
         except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
             outcome = _refusal(err)
-        votes = self.rdzv.vote(f"{self.name}/ready", survivors, self.me, outcome)
+        votes = self.rdzv.vote(f"{self.name}/ready", survivors, self.me, outcome,
+                               dead=self._dead)
         # This process's own refusal first: the line it names is the one it can explain.
         bad = _bad({self.me: outcome}, "ok " + out.digest if out else "ok") or _bad(votes, outcome)
         self._lap("prepare")
@@ -426,7 +434,7 @@ class Recovery:
             del dst_store
         except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
             outcome = _refusal(err)
-        votes = rdzv.vote(f"{self.name}/commit", survivors, self.me, outcome)
+        votes = rdzv.vote(f"{self.name}/commit", survivors, self.me, outcome, dead=self._dead)
         self._lap("commit_vote")
         bad = _bad(votes, "ok")
         if bad is not None:

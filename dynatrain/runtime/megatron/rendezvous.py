@@ -184,16 +184,17 @@ class Rendezvous:
             pause = min(pause * 2, poll)
 
     def _all(self, what: str, keys: Sequence[str], devices: Sequence[str],
-             timeout: float, poll: float = 0.05) -> None:
-        """Wait until every key of ``keys`` (posted by ``devices``, in order) exists."""
+             timeout: float, poll: float = 0.05, dead=None) -> None:
+        """Wait until every key of ``keys`` (posted by ``devices``, in order) exists, or (with
+        ``dead``) every device still missing is dead."""
         deadline = time.monotonic() + timeout
         waiting = _Waiting(what, timeout)
         pause = 0.001
         while not self.store.check(list(keys)):  # one request for all; names only when needed
             now = time.monotonic()
-            if now > deadline or waiting.due(now):
+            if now > deadline or waiting.due(now) or dead is not None:
                 missing = [d for k, d in zip(keys, devices) if not self.store.check([k])]
-                if not missing:
+                if not missing or (dead is not None and set(missing) <= set(dead())):
                     return
                 if now > deadline:
                     raise RendezvousTimeout(f"{what}: {len(missing)} of {len(devices)} "
@@ -247,17 +248,18 @@ class Rendezvous:
         return int(self.store.add(key, add))
 
     def vote(self, name: str, devices: Sequence[str], device: str, outcome: str,
-             timeout: float | None = None) -> dict[str, str | None]:
+             timeout: float | None = None, *, dead=None) -> dict[str, str | None]:
         """Post this process's ``outcome`` ("ok" or why not) and wait for every device's.
 
         Returns every device's outcome; None for a device that did not vote in time (then the
-        wait stopped at ``timeout``, default the rendezvous timeout, and logged who is missing).
+        wait stopped at ``timeout``, default the rendezvous timeout, and logged who is missing)
+        or that ``dead()`` (as for ``present``) says is dead, which ends the wait early.
         """
         self.post(f"{name}/{device}", {"outcome": outcome})
         keys = [f"{name}/{d}" for d in devices]
         try:
             self._all(f"vote {name!r}", keys, list(devices),
-                      self.timeout if timeout is None else timeout)
+                      self.timeout if timeout is None else timeout, dead=dead)
         except RendezvousTimeout as err:
             log.warning("%s", err)
         out: dict[str, str | None] = {}

@@ -75,8 +75,10 @@ process, as it keeps its own spawned one).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
+import signal
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -217,13 +219,33 @@ def fork_results_queue() -> None:
     re-imports the main module without this shim, and takes seconds); the queue only carries
     the writer processes' results back. Stays installed for the life of the process, as
     megatron's own does. A daemonic process (``multiprocessing`` workers) may not start the
-    Manager: call this from a non-daemonic one."""
+    Manager: call this from a non-daemonic one, from its main thread.
+
+    A forked Manager inherits the job's sockets (its process groups exist by now): were it to
+    outlive a ``kill -9`` of the process, the peers' collectives would see a hang, not a death.
+    So it dies with the process that started it (Linux ``PR_SET_PDEATHSIG``)."""
     import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    global _MANAGER
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        _MANAGER = SyncManager(ctx=multiprocessing.get_context("fork"))
+        _MANAGER.start(initializer=_die_with_parent)
+        filesystem_async._results_queue = _MANAGER.Queue()
+
+
+_MANAGER = None  # fork_results_queue's Manager (its ``_process.pid`` for tests)
+
+
+def _die_with_parent() -> None:
+    """In a forked helper process: SIGKILL it when the thread that started it dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the helper may outlive its parent
+        pass
 
 
 @functools.cache

@@ -2,8 +2,9 @@
 
 Each runs as a subprocess (as a user runs it) and its JSON is checked: the checkpoint load is
 bit-equal to megatron's own on every destination, the runtime's staging stays within its budget,
-the fixed-cost calibration's predictions are finite positive ratios, and the fingerprint and
-pack benches measured what they list. Timings are not asserted (they belong to the benches).
+the fixed-cost calibration's predictions are finite positive ratios, the fingerprint and pack
+benches measured what they list, and the recovery bench recovered each way it names (nothing
+re-read by an exchange, at most the lost bytes by a refill, everything by a rollback). Timings are not asserted (they belong to the benches).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ SHORT = {
     "runtime_bench": ["--quick", "--repeats", "1", "--no-megatron", "--out"],
     "calibrate_fixed_costs": ["--quick", "--repeats", "1", "--out"],
     "ckpt_load_bench": ["--repeat", "1", "--json"],
+    "recovery_bench": ["--repeat", "1", "--out"],
 }
 
 
@@ -45,6 +47,19 @@ def _claims(name: str, doc: dict) -> None:
     elif name == "fingerprint_bench":
         assert doc["rows"] and all(r["bytes"] == 16 << 20 and r["new_seconds"] > 0
                                    for r in doc["rows"])
+    elif name == "recovery_bench":
+        ways = {m["way"]: m for m in doc["measured"]}
+        assert sorted(ways) == ["exchange", "refill", "rollback"]
+        assert ways["exchange"]["lost_bytes"] == 0 and ways["exchange"]["reread_bytes"] == 0
+        assert 0 < ways["refill"]["reread_bytes"] <= ways["refill"]["lost_bytes"]
+        assert ways["rollback"]["reread_bytes"] > ways["rollback"]["lost_bytes"] > 0
+        # The failure struck iteration 3: exchange and refill keep the 2 finished ones, the
+        # rollback goes back to its checkpoint of iteration 1.
+        assert [ways[w]["resumed_at_iteration"] for w in ("exchange", "refill", "rollback")] \
+            == [2, 2, 1]
+        assert all(m["release"] > 0 and m["downtime"] > 0 for m in ways.values())
+        assert doc["model"] and all((r["lost_bytes"] == 0) == (r["instances"] == 2)
+                                    for r in doc["model"])
     elif name == "pack_bench":
         assert doc["pieces_packed"] > 0 and doc["pieces_unpacked"] > 0
 

@@ -141,3 +141,34 @@ def test_roll_call_agreement_and_heartbeats(tmp_path, caplog, monkeypatch) -> No
     time.sleep(0.6)
     assert live.stale(devs[:2]) == {"node0:gpu1"}
     beat.stop()
+
+
+def test_the_watchdog_aborts_once_when_a_peer_stops_beating(tmp_path) -> None:
+    """``Watchdog`` (what ``LiveSwitcher(abort_after=...)`` starts): nothing while every device
+    of the job beats; one abort, naming the device, once one stopped for ``abort_after``."""
+    import time
+
+    import torch.distributed as dist
+
+    from dynatrain.runtime.megatron import Rendezvous
+    from dynatrain.runtime.megatron.recovery import Heartbeat, Liveness
+    from dynatrain.runtime.megatron.watchdog import Watchdog
+
+    rdzv = Rendezvous(dist.FileStore(str(tmp_path / "store"), -1), "gloo", prefix="w")
+    devs = ["node0:gpu0", "node0:gpu1"]
+    beats = [Heartbeat(rdzv, d, 0.02) for d in devs]
+    aborted: list[float] = []
+    dog = Watchdog(lambda: devs, Liveness(rdzv, 0.4).stale,
+                   abort=lambda: aborted.append(time.monotonic()), poll=0.05)
+    time.sleep(1.0)
+    assert aborted == [] and dog.fired is None  # all beat: nothing
+    stopped = time.monotonic()
+    beats[1].stop()
+    while not aborted and time.monotonic() - stopped < 5:
+        time.sleep(0.02)
+    assert len(aborted) == 1 and dog.fired is not None and dog.fired[0] == ("node0:gpu1",)
+    assert 0.4 <= aborted[0] - stopped < 2.0
+    time.sleep(0.3)
+    assert len(aborted) == 1  # at most once
+    beats[0].stop()
+    dog.stop()

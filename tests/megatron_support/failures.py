@@ -72,10 +72,11 @@ def worker(base: dict, device: str, devices: list[str], stopped: str, in_recover
         rdzv.form("start", devices, device)
         live.init_parallel(tr.configs[spec_a.name], distributed_timeout_minutes=collective / 60)
         job = tr.build(spec_a)
+        # abort_after: the watchdog (a no-op abort under gloo) runs and is re-armed throughout.
         sw = LiveSwitcher(spec_a, device, build, check, rendezvous=rdzv, timeout=timeout,
                           heartbeat=0.1, stale_after=1.5, refill=rec.refill,
                           train_state=train_state, collective_timeout=collective,
-                          init_kwargs=dict(create_gloo_process_groups=False))
+                          abort_after=3.0, init_kwargs=dict(create_gloo_process_groups=False))
         ck = os.path.join(ckpt_dir, "step1")
         tr.step(job)
         tr.save(job, ck)
@@ -106,6 +107,7 @@ def worker(base: dict, device: str, devices: list[str], stopped: str, in_recover
             out["lost"] = {"code": err.exit_code, "error": str(err), "same_job": err.job is job}
         res = sw.recover(job, checkpoint=ck)
         out["second"] = rec._checked(tr, sw, res, ck)
+        out["watchdog"] = sw.watchdog.fired  # re-armed after the recovery: not fired
         sw.close()
         return out
 

@@ -102,6 +102,7 @@ from .job import (Builder, GlobalState, MegatronJob, Prepared, Refill, SwitchFai
                   TrainState, Verifier, carried, carry_into, parallel_kwargs)
 from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
+from .watchdog import Watchdog
 from .world import WorldSwitch
 
 SLICE_PLANNER = "spread-1"  # in the digest: processes must run the same planner
@@ -164,6 +165,11 @@ class LiveSwitcher:
             ``recover``'s roll call waits this long beyond ``timeout`` for processes whose
             heartbeat still beats (blocked, not dead: they are never declared failed). None:
             taken from ``init_kwargs["distributed_timeout_minutes"]`` where given.
+        abort_after: with ``heartbeat``: once a device of the job has not beaten for this many
+            seconds, a watchdog thread aborts this process's process groups (NCCL), so that a
+            collective blocked on it raises at once and the loop can ``recover``
+            (``watchdog.Watchdog``; gloo cannot abort: there ``collective_timeout`` releases).
+            Re-armed after each recovery. None: no watchdog.
         train_state: reads the training state a checkpoint was saved with (``job.TrainState``:
             iteration, consumed samples, scheduler, as ``job.carried`` gives them). With it and
             ``refill``, ``recover`` rolls every survivor back in place to a checkpoint of an
@@ -187,7 +193,8 @@ class LiveSwitcher:
                  stale_after: float | None = None, refill: Refill | None = None,
                  slices: bool = True, global_state: GlobalState | None = None,
                  train_state: TrainState | None = None,
-                 collective_timeout: float | None = None) -> None:
+                 collective_timeout: float | None = None,
+                 abort_after: float | None = None) -> None:
         self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
         if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
@@ -222,6 +229,12 @@ class LiveSwitcher:
             self._heartbeat = Heartbeat(rendezvous, device, float(heartbeat))
             self.liveness = Liveness(rendezvous, stale_after if stale_after is not None
                                      else max(10 * float(heartbeat), 1.0))
+        self.abort_after, self.watchdog = abort_after, None
+        if abort_after is not None:
+            if self._heartbeat is None or not abort_after > 0:
+                raise LayoutError(f"abort_after: needs a heartbeat and seconds > 0 (got "
+                                  f"{abort_after!r})")
+            self._arm_watchdog()
 
     @property
     def active(self) -> bool:
@@ -527,6 +540,14 @@ class LiveSwitcher:
         gone = self.liveness.stale(self.layout.devices)
         return tuple(d for d in self.layout.devices if d in gone)
 
+    def _arm_watchdog(self) -> None:
+        """A fresh watchdog on this process's groups (the last one fired, or none yet)."""
+        assert self.rendezvous is not None and self.abort_after is not None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        look = Liveness(self.rendezvous, self.abort_after)
+        self.watchdog = Watchdog(lambda: self.layout.devices if self.layout else (), look.stale)
+
     def recover(self, job: MegatronJob, failed: Iterable[str] | None = None,
                 dst_spec: LayoutSpec | None = None,
                 checkpoint: str | os.PathLike[str] | None = None,
@@ -576,6 +597,8 @@ class LiveSwitcher:
             self._watch = self._generation + 1
         else:
             self.spec, self.layout = dst_spec, Layout(dst_spec)
+        if self.watchdog is not None and self.watchdog.fired is not None:
+            self._arm_watchdog()
         return result
 
     # ---- spares ------------------------------------------------------------------------------
@@ -646,4 +669,6 @@ class LiveSwitcher:
             self.rendezvous.post("closed", {})
         if self._heartbeat is not None:
             self._heartbeat.stop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self._pool.shutdown(wait=False)

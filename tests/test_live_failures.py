@@ -16,11 +16,11 @@ iteration's losses are equal. Then node0:gpu2 dies (SIGKILL) in a forward pass: 
 checkpoint the recovery is refused on the last survivor with exit status 3 and the job
 untouched; with it it rolls back again, bit for bit.
 
-With ``num_distributed_optimizer_instances=2`` (DP4: every optimizer shard exists on two
-devices, at the same step), a process killed inside an iteration loses nothing: the survivors
-recover with no checkpoint at all, and hold, bit for bit, the state of the last finished
-iteration as megatron's reload of a checkpoint of it (saved for the test only) gives it in the
-survivors' layout.
+With ``num_distributed_optimizer_instances=2`` (DP4 on two nodes: every optimizer shard exists
+on both, at the same step), a whole node killed inside an iteration loses nothing: the
+survivors recover with no checkpoint at all, and hold, bit for bit, the state of the last
+finished iteration as megatron's reload of a checkpoint of it (saved for the test only) gives
+it in the survivors' layout.
 """
 
 from __future__ import annotations
@@ -74,17 +74,23 @@ def test_failure_inside_an_iteration_rolls_back_in_place_bit_exact() -> None:
         _assert_equal_to_reload(d, second)
 
 
-def test_a_second_optimizer_instance_needs_no_checkpoint() -> None:
+TWO_NODES = ["node0:gpu0", "node0:gpu1", "node1:gpu0", "node1:gpu1"]
+
+
+def test_a_second_optimizer_instance_survives_a_whole_node_without_a_checkpoint() -> None:
+    # DP4 with two DistributedOptimizer instances: instance 0 shards over node0's two devices,
+    # instance 1 over node1's, so either node holds a whole copy of the optimizer state.
     base = case("instances2", 4, num_distributed_optimizer_instances=2, **MODEL)
+    node1 = tuple(TWO_NODES[2:])
     with tempfile.TemporaryDirectory(prefix="live_redundant_") as ckpt:
-        fns = {d: fl.redundant_worker(base, d, DEV, KILLED, ckpt, 12, TIMEOUT, COLLECTIVE)
-               for d in DEV}
-        got = elastic.run_processes(fns, may_die=(KILLED,), timeout=300.0)
-    assert sorted(got) == DEV[1:]
+        fns = {d: fl.redundant_worker(base, d, TWO_NODES, node1, ckpt, 12, TIMEOUT, COLLECTIVE)
+               for d in TWO_NODES}
+        got = elastic.run_processes(fns, may_die=node1, timeout=300.0)
+    assert sorted(got) == TWO_NODES[:2]
     for d, r in got.items():
         assert r["released"] is not None and r["released"][1] < 3 * COLLECTIVE + 10, r
         rc = r["recovery"]
-        assert rc["failed"] == [KILLED] and rc["mode"] == "exchange", (d, rc)
+        assert rc["failed"] == list(node1) and rc["mode"] == "exchange", (d, rc)
         assert rc["lost_bytes"] == 0 and rc["refilled_bytes"] == 0 and r["written"] == []
         assert set(map(tuple, rc["steps"].values())) == {(2, 2)}, rc["steps"]
         if r["role"] == "stayed":

@@ -54,29 +54,39 @@ def _fail_in_forward(job, sig: int, at_call: int = 2) -> None:
     job.model_chunks[0].register_forward_pre_hook(hook)
 
 
+def _start(store, base: dict, device: str, devices: list[str], global_batch: int,
+           timeout: float, collective: float, dying_build: bool = False, **options):
+    """Form the job's group, build its first job and a ``LiveSwitcher`` (heartbeat 0.1 s,
+    stale after 1.5 s, the bounded group timeout ``collective``, ``options`` more); with
+    ``dying_build`` the switcher's ``build`` kills this process (a failure inside a
+    recovery). Returns (trainer, job, switcher)."""
+    spec_a = rec.spec_on(base, to_spec(base).name, devices)  # rank r on devices[r]
+    rdzv = Rendezvous(store, "gloo", prefix="job", timeout=timeout)
+    tr = elastic.Trainer({spec_a.name: elastic.megatron_lm_config(to_harness_cfg(base))},
+                         global_batch)
+
+    def build(spec):
+        if dying_build:
+            os.kill(os.getpid(), signal.SIGKILL)
+        tr.configs.setdefault(spec.name, rec.config_of(base, spec))
+        return tr.build(spec)
+
+    rdzv.form("start", devices, device)
+    live.init_parallel(tr.configs[spec_a.name], distributed_timeout_minutes=collective / 60)
+    job = tr.build(spec_a)
+    sw = LiveSwitcher(spec_a, device, build, check, rendezvous=rdzv, timeout=timeout,
+                      heartbeat=0.1, stale_after=1.5, collective_timeout=collective,
+                      init_kwargs=dict(create_gloo_process_groups=False), **options)
+    return tr, job, sw
+
+
 def worker(base: dict, device: str, devices: list[str], stopped: str, in_recovery: str,
            killed: str, ckpt_dir: str, global_batch: int, timeout: float, collective: float):
-    spec_a = to_spec(base)
-
     def fn(store) -> dict:
-        rdzv = Rendezvous(store, "gloo", prefix="job", timeout=timeout)
-        tr = elastic.Trainer({spec_a.name: elastic.megatron_lm_config(to_harness_cfg(base))},
-                             global_batch)
-
-        def build(spec):
-            if device == in_recovery:  # a second failure, inside the first recovery
-                os.kill(os.getpid(), signal.SIGKILL)
-            tr.configs.setdefault(spec.name, rec.config_of(base, spec))
-            return tr.build(spec)
-
-        rdzv.form("start", devices, device)
-        live.init_parallel(tr.configs[spec_a.name], distributed_timeout_minutes=collective / 60)
-        job = tr.build(spec_a)
         # abort_after: the watchdog (a no-op abort under gloo) runs and is re-armed throughout.
-        sw = LiveSwitcher(spec_a, device, build, check, rendezvous=rdzv, timeout=timeout,
-                          heartbeat=0.1, stale_after=1.5, refill=rec.refill,
-                          train_state=train_state, collective_timeout=collective,
-                          abort_after=3.0, init_kwargs=dict(create_gloo_process_groups=False))
+        tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective,
+                             dying_build=device == in_recovery, refill=rec.refill,
+                             train_state=train_state, abort_after=3.0)
         ck = os.path.join(ckpt_dir, "step1")
         tr.step(job)
         tr.save(job, ck)
@@ -140,34 +150,19 @@ def _fail_and_roll_back(tr, sw: LiveSwitcher, job, ck: str) -> dict:
     return out
 
 
-def redundant_worker(base: dict, device: str, devices: list[str], killed: str, ckpt_dir: str,
-                     global_batch: int, timeout: float, collective: float):
+def redundant_worker(base: dict, device: str, devices: list[str], killed: tuple[str, ...],
+                     ckpt_dir: str, global_batch: int, timeout: float, collective: float):
     """A job whose optimizer state has a second copy at every step (megatron's
-    ``num_distributed_optimizer_instances=2``) loses ``killed`` (SIGKILL) in the forward pass of
-    iteration 3 and recovers with no checkpoint at all. The checkpoint of iteration 2 is saved
-    for the test's oracle only: ``recover`` is not given it."""
-    spec_a = to_spec(base)
-
+    ``num_distributed_optimizer_instances=2``) loses ``killed`` (SIGKILL, each in its forward
+    pass of iteration 3: a whole node) and recovers with no checkpoint at all. The checkpoint
+    of iteration 2 is saved for the test's oracle only: ``recover`` is not given it."""
     def fn(store) -> dict:
-        rdzv = Rendezvous(store, "gloo", prefix="job", timeout=timeout)
-        tr = elastic.Trainer({spec_a.name: elastic.megatron_lm_config(to_harness_cfg(base))},
-                             global_batch)
-
-        def build(spec):
-            tr.configs.setdefault(spec.name, rec.config_of(base, spec))
-            return tr.build(spec)
-
-        rdzv.form("start", devices, device)
-        live.init_parallel(tr.configs[spec_a.name], distributed_timeout_minutes=collective / 60)
-        job = tr.build(spec_a)
-        sw = LiveSwitcher(spec_a, device, build, check, rendezvous=rdzv, timeout=timeout,
-                          heartbeat=0.1, stale_after=1.5, collective_timeout=collective,
-                          init_kwargs=dict(create_gloo_process_groups=False))
+        tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective)
         oracle = os.path.join(ckpt_dir, "oracle-step2")
         tr.step(job)
         tr.step(job)
         tr.save(job, oracle)
-        if device == killed:
+        if device in killed:
             _fail_in_forward(job, signal.SIGKILL)
         t0 = time.monotonic()
         try:
@@ -213,24 +208,9 @@ def phases_worker(base: dict, device: str, devices: list[str], victims: list[tup
     order, each inside an iteration, with a checkpoint after the last finished iteration each
     time; the survivors ``recover`` (auto: an exact refill when they all hold that iteration's
     step, a rollback to it when the failure struck after some stepped)."""
-    spec_a = to_spec(base)
-
     def fn(store) -> dict:
-        rdzv = Rendezvous(store, "gloo", prefix="job", timeout=timeout)
-        tr = elastic.Trainer({spec_a.name: elastic.megatron_lm_config(to_harness_cfg(base))},
-                             global_batch)
-
-        def build(spec):
-            tr.configs.setdefault(spec.name, rec.config_of(base, spec))
-            return tr.build(spec)
-
-        rdzv.form("start", devices, device)
-        live.init_parallel(tr.configs[spec_a.name], distributed_timeout_minutes=collective / 60)
-        job = tr.build(spec_a)
-        sw = LiveSwitcher(spec_a, device, build, check, rendezvous=rdzv, timeout=timeout,
-                          heartbeat=0.1, stale_after=1.5, refill=rec.refill,
-                          train_state=train_state, collective_timeout=collective,
-                          init_kwargs=dict(create_gloo_process_groups=False))
+        tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective,
+                             refill=rec.refill, train_state=train_state)
         out: dict = {}
         tr.step(job)
         for n, (victim, phase, onto) in enumerate(victims):

@@ -70,12 +70,14 @@ class Watchdog:
             if gone:
                 who = tuple(d for d in devices if d in gone)
                 self.fired = (who, time.monotonic())
-                log.warning("watchdog: %s stopped beating; aborting this process's groups",
-                            ", ".join(who))
                 try:
-                    self.abort()
+                    done = self.abort()
                 except Exception as err:  # noqa: BLE001 — the group timeout still releases
-                    log.warning("watchdog: abort failed: %s", err)
+                    done = f"failed: {err}"
+                log.warning("watchdog: %s stopped beating; %s", ", ".join(who),
+                            "aborted this process's groups" if done is True else
+                            f"abort {done}" if isinstance(done, str) else
+                            "its groups cannot be aborted here: their timeout releases them")
                 return
 
     def stop(self) -> None:

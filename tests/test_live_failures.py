@@ -132,6 +132,26 @@ def test_a_death_in_each_phase_of_the_step_is_refilled_or_rolled_back_exactly() 
         _assert_equal_to_reload(phase, e)
 
 
+def test_a_death_during_a_checkpoint_save_leaves_a_checkpoint_that_is_refused() -> None:
+    """DP3 loses node0:gpu2 while saving the checkpoint of iteration 2: the half-written
+    checkpoint is refused on both survivors (exit status 2, job kept), and they roll back to
+    the checkpoint of iteration 1, bit for bit megatron's reload of it."""
+    base = case("save", 3, **MODEL)
+    devices = DEV[:3]
+    with tempfile.TemporaryDirectory(prefix="live_save_") as ckpt:
+        fns = {d: fl.save_worker(base, d, devices, devices[2], ckpt, 6, TIMEOUT, COLLECTIVE)
+               for d in devices}
+        got = elastic.run_processes(fns, may_die=(devices[2],), timeout=300.0)
+    assert sorted(got) == devices[:2]
+    for d, r in got.items():
+        assert r["released"] is not None, (d, r)
+        partial = r["partial"]
+        assert partial is not None and partial["code"] == 2 and partial["same_job"], partial
+        assert "it2" in partial["error"] and partial["error"].count("\n") == 0, partial
+        assert r["recovery"]["mode"] == "rollback" and r["recovery"]["iteration"] == 1
+        _assert_equal_to_reload(d, r)
+
+
 def _assert_equal_to_reload(d: str, e: dict) -> None:
     assert e["pre"] == [] and e["post"] == [], (d, e["pre"][:5], e["post"][:5])
     assert e["n_state"] > 10

@@ -234,3 +234,41 @@ def phases_worker(base: dict, device: str, devices: list[str], victims: list[tup
         return out
 
     return fn
+
+
+def save_worker(base: dict, device: str, devices: list[str], victim: str, ckpt_dir: str,
+                global_batch: int, timeout: float, collective: float):
+    """A DistributedOptimizer job checkpoints iteration 1, trains iteration 2, and ``victim``
+    dies (SIGKILL) as the checkpoint of iteration 2 is being saved: the other processes are
+    inside megatron's ``dist_checkpointing.save``. The half-written checkpoint is refused by
+    ``recover`` (exit status 2, the job kept) and the survivors roll back to iteration 1."""
+    def fn(store) -> dict:
+        from megatron.core import dist_checkpointing
+
+        tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective,
+                             refill=rec.refill, train_state=train_state)
+        ck1, ck2 = os.path.join(ckpt_dir, "it1"), os.path.join(ckpt_dir, "it2")
+        tr.step(job)
+        tr.save(job, ck1)
+        tr.step(job)
+        if device == victim:
+            def die(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            dist_checkpointing.save = die
+        out: dict = {"released": None}
+        try:
+            tr.save(job, ck2)
+        except Exception as err:  # noqa: BLE001 — what a survivor sees of a dead peer
+            out["released"] = type(err).__name__
+        try:
+            sw.recover(job, checkpoint=ck2)
+            out["partial"] = None
+        except RecoveryFailed as err:
+            out["partial"] = {"code": err.exit_code, "error": str(err), "same_job": err.job is job}
+        res = sw.recover(job, checkpoint=ck1)
+        out.update(rec._checked(tr, sw, res, ck1))
+        sw.close()
+        return out
+
+    return fn

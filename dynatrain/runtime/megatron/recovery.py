@@ -67,7 +67,7 @@ from ...planner.plan import Plan
 from ...planner.serialize import plan_to_json
 from ...planner.suggest import suggest
 from ..executor import process_devices, switch
-from ..storage import allocate
+from ..storage import allocate, region
 from .bridge import extract_state, install_state, read_step
 from .check_job import check_job
 from .job import MegatronJob, RecoveryFailed, SwitchResult, carried, carry_into, parallel_kwargs
@@ -424,11 +424,8 @@ class Recovery:
             if rank is not None:
                 if p.write is not None:
                     p.write(dst_store)
-                    # A rollback reloads all of the rank's state (its step counters are set,
-                    # not read).
                     refilled = (_refilled_bytes(p.lost, dst_view, rank) if p.mode == "refill"
-                                else sum(t.numel() * t.element_size()
-                                         for k, t in dst_store.items() if k[0] != "step"))
+                                else _state_bytes(dst_view, rank, dst_store))
                 self._lap("reload" if p.mode == "rollback" else "refill")
                 new = self._build(p.dst_spec, p.dst, dst_view, dst_store, carry)
             del dst_store
@@ -472,6 +469,13 @@ class Recovery:
         carry_into(new, carry)
         self._lap("install")
         return new
+
+
+def _state_bytes(dst_view, rank: int, store: dict) -> int:
+    """Bytes of the state ``rank`` holds: what a rollback reloads (buffer padding and the step
+    counters, which are set rather than read, left out)."""
+    return sum(reg.box.numel * region(store, reg.kind, reg.slot, reg.box).element_size()
+               for reg in dst_view.regions(rank) if reg.kind != "step")
 
 
 def _refilled_bytes(lost: LostState, dst_view, rank: int) -> int:

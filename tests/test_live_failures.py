@@ -152,6 +152,25 @@ def test_a_death_during_a_checkpoint_save_leaves_a_checkpoint_that_is_refused() 
         _assert_equal_to_reload(d, r)
 
 
+def test_a_preemption_notice_is_met_by_a_switch_before_the_deadline() -> None:
+    """DP4 is told node0:gpu3 leaves in 60 s: it plans while it trains, switches to DP3 at the
+    next boundary well within the deadline, and node0:gpu3 leaves; the three hold, bit for bit,
+    megatron's reload of the job's checkpoint into DP3."""
+    base = case("notice", 4, **MODEL)
+    with tempfile.TemporaryDirectory(prefix="live_notice_") as ckpt:
+        fns = {d: fl.notice_worker(base, d, DEV, [DEV[3]], ckpt, 12, TIMEOUT, COLLECTIVE)
+               for d in DEV}
+        got = elastic.run_processes(fns, timeout=300.0)
+    assert got[DEV[3]]["role"] == "left"
+    for d in DEV[:3]:
+        r = got[d]
+        assert r["role"] == "stayed" and r["fits"] and r["left_s"] > 0, r
+        assert r["predicted"] is not None and r["predicted"] > 0
+        assert "dp3" in r["dst"], r["dst"]
+        assert r["pre"] == [] and r["post"] == [], (d, r["pre"][:5], r["post"][:5])
+        assert r["losses"][0]["losses"] == r["losses"][1]["losses"], (d, r["losses"])
+
+
 def _assert_equal_to_reload(d: str, e: dict) -> None:
     assert e["pre"] == [] and e["post"] == [], (d, e["pre"][:5], e["post"][:5])
     assert e["n_state"] > 10

@@ -272,3 +272,29 @@ def save_worker(base: dict, device: str, devices: list[str], victim: str, ckpt_d
         return out
 
     return fn
+
+
+def notice_worker(base: dict, device: str, devices: list[str], leaving: list[str],
+                  ckpt_dir: str, global_batch: int, timeout: float, collective: float):
+    """A job gets a preemption notice for ``leaving`` (60 s ahead) after iteration 2: it
+    prepares the switch to the suggested layout on the rest while it trains iteration 3, and
+    switches at the boundary. A checkpoint of iteration 3, saved before the switch, is the
+    test's oracle."""
+    def fn(store) -> dict:
+        tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective)
+        tr.step(job)
+        tr.step(job)
+        notice = sw.notice(leaving, 60.0)
+        tr.step(job)  # the plan is made meanwhile
+        oracle = os.path.join(ckpt_dir, "oracle-it3")
+        tr.save(job, oracle)
+        res = sw.switch(job)
+        out = {"fits": notice.fits(), "left_s": notice.seconds_left(), "dst": notice.dst_spec.name,
+               "predicted": notice.predicted_seconds}
+        if res.job is not None:
+            out.update(rec._checked(tr, sw, res, oracle))
+        out["role"] = res.role
+        sw.close()
+        return out
+
+    return fn

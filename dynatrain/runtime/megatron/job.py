@@ -3,6 +3,7 @@ what a switch returns, and the error it raises when it did not happen."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -76,6 +77,29 @@ class Prepared:
     # A same-devices switch plans only this device's slice (planner.slices): its pairs come
     # from prepare, its rounds at switch time, once the job agrees on their number.
     pairs: Any = None
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A preemption notice being met (``LiveSwitcher.notice``): the switch to ``dst_spec``,
+    off the ``leaving`` devices, is prepared; the training loop's next ``switch`` runs it.
+
+    ``deadline`` is on this process's ``time.monotonic()`` clock; ``fits()`` says whether the
+    switch, once done, was done before it. ``predicted_seconds`` is the planner's predicted
+    downtime of the switch (wire time plus fixed costs; forming groups and building the
+    destination job are not in it).
+    """
+
+    leaving: tuple[str, ...]
+    dst_spec: LayoutSpec
+    deadline: float
+    predicted_seconds: float | None
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def fits(self) -> bool:
+        return self.seconds_left() >= 0
 
 
 @dataclass

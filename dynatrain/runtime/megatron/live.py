@@ -93,13 +93,14 @@ from ...ir.state import transition_views
 from ...planner.cost import H100, Topology
 from ...planner.pipeline import plan_transition
 from ...planner.slices import finish_slice, slice_pairs
+from ...planner.suggest import suggest
 from ...planner.serialize import plan_to_json
 from ..executor import SwitchAborted, switch
 from ..headroom import check_switch_headroom, job_cuda_device
 from .bridge import bind_state, extract_state, install_step
 from .check_job import check_job
-from .job import (Builder, GlobalState, MegatronJob, Prepared, Refill, SwitchFailed, SwitchResult,
-                  TrainState, Verifier, carried, carry_into, parallel_kwargs)
+from .job import (Builder, GlobalState, MegatronJob, Notice, Prepared, Refill, SwitchFailed,
+                  SwitchResult, TrainState, Verifier, carried, carry_into, parallel_kwargs)
 from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
 from .watchdog import Watchdog
@@ -272,6 +273,58 @@ class LiveSwitcher:
         self._pending = self._pool.submit(self._prepare, self.spec, self.layout, dst_spec,
                                           generation)
         return self._pending
+
+    def notice(self, leaving: Iterable[str], deadline_s: float,
+               dst_spec: LayoutSpec | None = None) -> Notice:
+        """A preemption notice: the ``leaving`` devices go away within ``deadline_s`` seconds.
+
+        Every process of the job calls it with the same arguments (e.g. once the leader read
+        the notice from the store and broadcast it). Takes ``dst_spec``, or the top ``suggest``
+        layout on the devices that stay, and prepares the switch in the background; the
+        training loop's next ``switch`` runs it (the leaving processes come out with role
+        "left"). ``Notice.fits()`` then says whether it was done in time; a switch that did
+        not fit still runs, and a device that is gone before it does is a failure for
+        ``recover``.
+
+        Raises:
+            DynatrainError (exit status 2), before anything is prepared: a deadline already
+                passed (not above 0), a device that is not in the job, no device staying, a
+                switch already being prepared, or no layout of the model on the rest.
+        """
+        if self.spec is None or self.layout is None:
+            raise DynatrainError(f"{self.device} runs no rank: a notice goes to the job's "
+                                 "processes")
+        if not deadline_s > 0:  # NaN too
+            raise DynatrainError(f"notice: deadline_s: the deadline has already passed "
+                                 f"(got {deadline_s!r} s; give the seconds left, > 0)")
+        deadline = time.monotonic() + float(deadline_s)
+        gone = tuple(dict.fromkeys(leaving))
+        unknown = [d for d in gone if d not in self.layout.devices]
+        if unknown:
+            raise DynatrainError(f"notice: leaving: {unknown[0]} is not a device of the job "
+                                 f"({len(self.layout.devices)} devices: "
+                                 f"{self.layout.devices[0]} ...)")
+        if not gone:
+            raise DynatrainError("notice: leaving: no device named")
+        stay = [d for d in self.layout.devices if d not in gone]
+        if not stay:
+            raise DynatrainError("notice: leaving: every device of the job leaves; nothing "
+                                 "can train on (checkpoint before the deadline instead)")
+        if self._pending is not None and not self._pending.done():
+            raise DynatrainError("notice: a switch is already being prepared; notice again "
+                                 "once it ran")
+        predicted = None
+        if dst_spec is None:
+            found = suggest(self.layout, stay, topology=self.topology,
+                            budget_bytes=self.budget_bytes)
+            if not found.ranked:
+                raise DynatrainError(f"notice: no layout of the model fits the {len(stay)} "
+                                     f"devices that stay: {found.why_empty()}")
+            dst_spec, predicted = found.ranked[0].spec, found.ranked[0].predicted_seconds
+        elif set(Layout(dst_spec).devices) & set(gone):
+            raise DynatrainError("notice: dst_spec uses a leaving device")
+        self.prepare(dst_spec)
+        return Notice(gone, dst_spec, deadline, predicted)
 
     def ready(self) -> bool:
         """True once ``prepare``'s plan is done (or failed)."""

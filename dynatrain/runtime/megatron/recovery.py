@@ -126,7 +126,7 @@ class LostForGood(DynatrainError):
 
 
 @dataclass(frozen=True)
-class Prepared:
+class RecoveryPlan:
     """A recovery every survivor agreed on (``Recovery.prepare``)."""
 
     digest: str  # of the plan (timings left out) and how lost state comes back
@@ -139,7 +139,7 @@ class Prepared:
     carry: dict | None  # a rollback's training state, as ``job.carried`` gives it
     src_store: dict | None  # this process's source state (None for a rollback)
 
-    def without_source(self) -> Prepared:
+    def without_source(self) -> RecoveryPlan:
         return replace(self, src_store=None)
 
 
@@ -276,7 +276,7 @@ class Recovery:
     # ---- 2. + 3. where to, and what restores what was lost ----------------------------------
 
     def prepare(self, failed: tuple[str, ...], steps: dict, dst_spec: LayoutSpec | None,
-                checkpoint: str | None, rollback: bool | None) -> Prepared:
+                checkpoint: str | None, rollback: bool | None) -> RecoveryPlan:
         """Plan, verify, choose how lost state comes back, check the checkpoint and extract the
         source state; voted by every survivor, so all go on or all raise the same refusal,
         before anything is torn down."""
@@ -297,7 +297,7 @@ class Recovery:
         assert out is not None
         return out
 
-    def _prepare(self, failed, survivors, steps, dst_spec, checkpoint, rollback) -> Prepared:
+    def _prepare(self, failed, survivors, steps, dst_spec, checkpoint, rollback) -> RecoveryPlan:
         sw, src = self.sw, self.src
         gone = frozenset(failed)
         if dst_spec is None:
@@ -330,7 +330,7 @@ class Recovery:
         doc["restore"] = [mode, checkpoint if mode != "exchange" else None]
         digest = hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(),
                                  digest_size=16).hexdigest()
-        return Prepared(digest, dst_spec, dst, plan, lost, mode, write, carry, src_store)
+        return RecoveryPlan(digest, dst_spec, dst, plan, lost, mode, write, carry, src_store)
 
     def _restore(self, dst: Layout, rank: int | None, lost: LostState, steps: dict,
                  checkpoint: str | None, rollback: bool | None):

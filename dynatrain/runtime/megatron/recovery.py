@@ -297,7 +297,8 @@ class Recovery:
         assert out is not None
         return out
 
-    def _prepare(self, failed, survivors, steps, dst_spec, checkpoint, rollback) -> RecoveryPlan:
+    def _prepare(self, failed, survivors, steps, dst_spec, checkpoint,
+                 rollback) -> RecoveryPlan:
         sw, src = self.sw, self.src
         gone = frozenset(failed)
         if dst_spec is None:

@@ -1,22 +1,20 @@
 """Test support for failures inside an iteration.
 
-``worker``: a megatron job in forked processes loses one process in the middle of a forward
-pass, long after its newest checkpoint, and the survivors roll back in place.
+``worker``: a megatron job in forked processes checkpoints after iteration 1 only and trains
+iterations 2 and 3. In iteration 4 one process stops (SIGSTOP: a hang, its sockets stay open)
+inside its second micro-batch's forward pass. The survivors are blocked in collectives with it
+or with each other; the job's bounded group timeout (``collective_timeout``) releases each, and
+they ``recover`` (the stopped one is found by its heartbeat). A second process dies (SIGKILL)
+while building the destination job of that recovery, which fails on every survivor (exit
+status 4, job kept) and is called again. Since the stopped process's DistributedOptimizer shard
+of step 3 exists nowhere else and the checkpoint is of step 1, every survivor reloads the
+checkpoint in the suggested layout: a rollback in place. Then a third process dies (SIGKILL)
+inside a forward pass; with no checkpoint given the recovery is refused with exit status 3
+(state lost), job untouched, and a retry with the checkpoint rolls back again.
 
-The job checkpoints after iteration 1 only, trains iterations 2 and 3, and in iteration 4 one
-process stops (SIGSTOP: a hang, its sockets stay open) inside its second micro-batch's
-forward pass; a second one dies (SIGKILL) while building the destination job of the first
-recovery, which fails on every survivor (exit status 4, job kept) and is called again. The survivors are blocked in collectives with it or with each other; the job's
-bounded group timeout (``collective_timeout``) releases each, they ``recover`` (the stopped one
-is found by its heartbeat), and, since the stopped process's DistributedOptimizer shard of step
-3 exists nowhere else and the checkpoint is of step 1, every survivor reloads the checkpoint in
-the suggested layout on the three survivors: a rollback in place. Then a second process dies
-(SIGKILL) inside a forward pass; with no checkpoint given the recovery is refused on both
-survivors with exit status 3 (state lost), job untouched, and a retry with the checkpoint
-rolls back again.
-
-``redundant_worker``: a job with a second optimizer instance loses a process inside an
-iteration and recovers with no checkpoint at all.
+``redundant_worker``: a job with a second optimizer instance loses a whole node inside an
+iteration and recovers with no checkpoint at all. ``phases_worker``: one death per phase of the
+step. ``save_worker``: a death during a checkpoint save. ``notice_worker``: a preemption notice.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from .live import LiveSwitcher
 from .lm_args import layout_args
 from .rendezvous import Rendezvous, RendezvousTimeout
 
-__all__ = ["STEP_KEY", "GlobalState", "LiveSwitcher", "MegatronJob", "Notice", "Prepared", "RecoveryFailed", "Refill",
-           "Rendezvous", "RendezvousTimeout", "SlotSpec", "SwitchFailed", "SwitchResult", "TrainState",
-           "extract_state", "install_state", "layout_args", "parallel_kwargs", "read_step", "storage_spec"]
+__all__ = ["STEP_KEY", "GlobalState", "LiveSwitcher", "MegatronJob", "Notice", "Prepared",
+           "RecoveryFailed", "Refill", "Rendezvous", "RendezvousTimeout", "SlotSpec",
+           "SwitchFailed", "SwitchResult", "TrainState", "extract_state", "install_state",
+           "layout_args", "parallel_kwargs", "read_step", "storage_spec"]

@@ -84,7 +84,7 @@ def worker(base: dict, device: str, devices: list[str], stopped: str, in_recover
         # abort_after: the watchdog (a no-op abort under gloo) runs and is re-armed throughout.
         tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective,
                              dying_build=device == in_recovery, refill=rec.refill,
-                             train_state=train_state, abort_after=3.0)
+                             train_state=train_state, abort_after=4.5)
         ck = os.path.join(ckpt_dir, "step1")
         tr.step(job)
         tr.save(job, ck)
@@ -94,7 +94,12 @@ def worker(base: dict, device: str, devices: list[str], stopped: str, in_recover
         out: dict = {}
         if device == stopped:
             _fail_in_forward(job, signal.SIGSTOP)
+        dog = sw.watchdog
         out["first"] = _fail_and_roll_back(tr, sw, job, ck)
+        # The watchdog saw the stopped process (under gloo it cannot abort), and recover armed
+        # a fresh one.
+        out["watchdog"] = {"fired": dog.fired and list(dog.fired[0]),
+                           "rearmed": sw.watchdog is not dog}
         job = sw_job = out["first"].pop("job")
         if sw.layout is not None and sw.layout.devices[0] == device:
             os.kill(int(store.get(f"test/pid/{stopped}")), signal.SIGKILL)  # clean up the hang
@@ -115,7 +120,6 @@ def worker(base: dict, device: str, devices: list[str], stopped: str, in_recover
             out["lost"] = {"code": err.exit_code, "error": str(err), "same_job": err.job is job}
         res = sw.recover(job, checkpoint=ck)
         out["second"] = rec._checked(tr, sw, res, ck)
-        out["watchdog"] = sw.watchdog.fired  # re-armed after the recovery: not fired
         sw.close()
         return out
 

@@ -599,7 +599,13 @@ class LiveSwitcher:
         if self.watchdog is not None:
             self.watchdog.stop()
         look = Liveness(self.rendezvous, self.abort_after)
-        self.watchdog = Watchdog(lambda: self.layout.devices if self.layout else (), look.stale)
+
+        def peers() -> tuple[str, ...]:
+            # Never this process's own device: it runs, whatever its heartbeat thread did.
+            return tuple(d for d in (self.layout.devices if self.layout else ())
+                         if d != self.device)
+
+        self.watchdog = Watchdog(peers, look.stale)
 
     def recover(self, job: MegatronJob, failed: Iterable[str] | None = None,
                 dst_spec: LayoutSpec | None = None,

@@ -15,8 +15,13 @@ import time
 
 
 def _start_manager_then_wait(conn) -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
     from dynatrain.runtime.megatron import cpu
 
+    # A fresh process: not the queue of a Manager that this test worker (the parent) started
+    # for an earlier test.
+    filesystem_async._results_queue = cpu._MANAGER = None
     cpu.fork_results_queue()
     conn.send(cpu._MANAGER._process.pid)
     time.sleep(600)  # until killed

@@ -16,6 +16,8 @@ _MODEL_KEYS = {
     "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
     "moe_layer_freq", "moe_router_enable_expert_bias", "normalization", "position_embedding_type",
     "max_position_embeddings", "moe_shared_expert_gate", "moe_router_score_function",
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+    "qk_pos_emb_head_dim", "v_head_dim", "softmax_type",
 }
 _PARALLEL_KEYS = {
     "tp", "pp", "vpp", "cp", "ep", "etp", "decoder_first_pipeline_num_layers",

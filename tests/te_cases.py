@@ -16,6 +16,10 @@ from dynatrain.ir.spec import LayoutSpec
 
 G = dict(moe_grouped_gemm=True)
 SP = dict(sequence_parallel=True)
+# Multi-latent attention at test sizes (the spec's defaults are Megatron-LM's, 128-wide heads).
+MLA = dict(multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+           v_head_dim=16, normalization="RMSNorm", position_embedding_type="rope")
+SINKS = dict(softmax_type="learnable")
 
 # fmt: off
 CASES: list[dict] = [
@@ -67,6 +71,17 @@ CASES: list[dict] = [
     case("te-moe-buckets-ep2-grouped", 4, ep=2, bucket_size=3000, **MOE, **G),
     case("te-moe-instances2-edp4-grouped", 8, ep=2, tp=2, etp=1, swiglu=True,
          num_distributed_optimizer_instances=2, **MOE, **G),
+    case("te-sinks-tp2-gqa2", 4, tp=2, num_query_groups=2, **SINKS),
+    case("te-mla-tp2-qlora-qkln-sinks-pp2", 4, tp=2, pp=2, num_layers=4, q_lora_rank=24,
+         qk_layernorm=True, **MLA, **SINKS),
+    case("te-mla-tp2-qkln-no-qlora", 2, tp=2, qk_layernorm=True, **MLA),
+    case("te-mla-layernorm-bias-vpp2", 4, pp=2, vpp=2, num_layers=4, q_lora_rank=24,
+         qk_layernorm=True, add_bias_linear=True, **dict(MLA, normalization="LayerNorm")),
+    case("te-mla-moe-ep2-etp1-tp2-grouped-shared", 4, tp=2, ep=2, etp=1, swiglu=True,
+         q_lora_rank=24, qk_layernorm=True, moe_layer_freq=[0, 1],
+         moe_shared_expert_intermediate_size=32, moe_router_enable_expert_bias=True,
+         moe_router_score_function="sigmoid", **MOE, **G, **MLA),
+    case("te-mla-moe-ep2-sequential-sinks", 2, ep=2, **MOE, **MLA, **SINKS),
 ]
 # fmt: on
 
@@ -79,6 +94,9 @@ FAST_NAMES = (
     "te-moe-ep2-etp2-tp2-swiglu-sequential",  # sequential TE experts, ETP = TP
     "te-moe-ep1-tp2-swiglu-grouped",  # EP = 1: experts in the dense buffer
     "te-moe-shared-gate-expert-bias-grouped",  # shared experts, gate, expert bias
+    "te-mla-tp2-qlora-qkln-sinks-pp2",  # MLA with q down/up projections, fused norms, sinks
+    "te-mla-tp2-qkln-no-qlora",  # MLA's linear_q_proj: its norm differs between versions
+    "te-mla-moe-ep2-etp1-tp2-grouped-shared",  # DeepSeek-V3's shape: MLA, first layer dense
 )
 FAST = [c for c in CASES if c["name"] in FAST_NAMES]
 assert len(FAST) == len(FAST_NAMES)

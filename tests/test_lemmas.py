@@ -217,7 +217,8 @@ def _moe(experts: int) -> ModelConfig:
 
 def _experts_held(experts: int, ep: int, ep_rank: int) -> dict[int, int]:
     """Local expert index -> global expert index, as chunk_params builds EP rank ``ep_rank``."""
-    defs, _ = chunk_params(_moe(experts), 1, ep, ep_rank, (0,), False, False, False)
+    defs, _ = chunk_params(_moe(experts), 1, ep, ep_rank, (0,), False, False, False,
+                           megatron_core="0.16.1")
     out = {}
     for d in defs:
         if d.expert:

@@ -96,7 +96,8 @@ def extra_state_facts(layout: Layout, rank: int) -> list[dict[str, Any]]:
     c, p = layout.coords(rank), layout.parallel
     out = []
     for ch in layout.chunks(c.pp):
-        for d in chunk_extra_states(layout.model, p.ep, c.ep, ch.layers, ch.post_process):
+        for d in chunk_extra_states(layout.model, p.ep, c.ep, ch.layers, ch.post_process,
+                                    megatron_core=layout.spec.megatron_core):
             out.append({
                 "chunk": ch.vp, "key": d.key,
                 "global_shape": [s for _, s in d.prepend] or [1],

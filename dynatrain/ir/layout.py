@@ -116,7 +116,9 @@ class Layout:
         (Cached: the tensor list, the shards and a slice's filters all read it.)"""
         p = self.parallel
         return tuple(chunk_params(self.model, p.tp, p.ep, ep, ch.layers, ch.pre_process,
-                                  ch.post_process, p.pp > 1) for ch in self.chunks(pp))
+                                  ch.post_process, p.pp > 1,
+                                  megatron_core=self.spec.megatron_core)
+                     for ch in self.chunks(pp))
 
     @lru_cache(maxsize=4096)
     def _split(self, pp: int, expert: bool, ep: int, rank: int

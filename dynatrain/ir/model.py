@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .spec import ModelConfig
+from .versions import series
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +78,12 @@ def padded_vocab(m: ModelConfig, tp: int) -> int:
 @lru_cache(maxsize=4096)
 def chunk_params(
     m: ModelConfig, tp: int, ep: int, ep_rank: int, layers: tuple[int, ...],
-    pre: bool, post: bool, pipelined: bool,
+    pre: bool, post: bool, pipelined: bool, *, megatron_core: str,
 ) -> tuple[tuple[ParamDef, ...], tuple[BufferDef, ...]]:
     """Parameters and state buffers of one chunk, in ``named_parameters()`` order.
 
     ``pipelined``: pp > 1, so a tied embedding is shared between the first and last stage.
+    ``megatron_core``: the version that builds it (a few modules differ, ``versions.py``).
     """
     params: list[ParamDef] = []
     buffers: list[BufferDef] = []
@@ -97,8 +99,9 @@ def chunk_params(
                                    "embedding.position_embeddings.weight",
                                    (m.max_position_embeddings, H)))
     moe = m.moe_pattern()
+    q_norm = series(megatron_core).mla_q_proj_norm
     for local, layer in enumerate(layers):
-        _layer(params, buffers, m, ep, ep_rank, local, layer, moe[layer])
+        _layer(params, buffers, m, ep, ep_rank, local, layer, moe[layer], q_norm)
     if post:
         params.extend(_norm(m, "decoder.final_layernorm", "decoder.final_layernorm", (), H))
         if not tied or not pre:
@@ -134,30 +137,20 @@ def _linear(name: str, key: str, out_f: int, in_f: int, pre: tuple, split: TPSpl
 
 
 def _layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep: int,
-           ep_rank: int, local: int, layer: int, is_moe: bool) -> None:
-    H, hn, np_, ng = m.hidden_size, m.head_dim, m.num_attention_heads, m.groups
+           ep_rank: int, local: int, layer: int, is_moe: bool, q_norm: bool) -> None:
+    H = m.hidden_size
     name = f"decoder.layers.{local}"
     if m.homogeneous_layers:
         key, pre = "decoder.layers", ((layer, m.num_layers),)
     else:
         key, pre = f"decoder.layers.{layer}", ()
     bias = m.add_bias_linear
-    col, row = TPSplit(0, "tp"), TPSplit(1, "tp")
+    row = TPSplit(1, "tp")
     te = m.transformer_impl == "transformer_engine"
-    if not te:
-        params += _norm(m, f"{name}.input_layernorm",
-                        f"{key}.self_attention.linear_qkv.layer_norm", pre, H)
-    params += _linear(f"{name}.self_attention.linear_proj", f"{key}.self_attention.linear_proj",
-                      H, np_ * hn, pre, row, bias, False)
-    if te:
-        params += _fused_norm(m, f"{name}.self_attention.linear_qkv",
-                              f"{key}.self_attention.linear_qkv", pre, H)
-    params += _linear(f"{name}.self_attention.linear_qkv", f"{key}.self_attention.linear_qkv",
-                      ng * (np_ // ng + 2) * hn, H, pre, col, bias, True)
-    if m.qk_layernorm:
-        for qk in ("q_layernorm", "k_layernorm"):
-            params += _norm(m, f"{name}.self_attention.{qk}", f"{key}.self_attention.{qk}",
-                            pre, hn)
+    if m.multi_latent_attention:
+        _mla(params, m, name, key, pre, q_norm)
+    else:
+        _attention(params, m, name, key, pre)
     if not te:
         params += _norm(m, f"{name}.pre_mlp_layernorm", f"{key}.mlp.linear_fc1.layer_norm",
                         pre, H)
@@ -208,6 +201,83 @@ def _layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep:
                           False)
 
 
+def _softmax_offset(params: list[ParamDef], m: ModelConfig, name: str, key: str,
+                    pre: tuple) -> None:
+    """Attention sinks: core attention registers a per-head ``softmax_offset`` before the
+    output projection is built, split over TP by head (M16 transformer/
+    dot_product_attention.py:118-140, 250-270; TE extensions/transformer_engine.py:1436-1455)."""
+    if m.softmax_type == "learnable":
+        params.append(ParamDef(f"{name}.self_attention.core_attention.softmax_offset",
+                               f"{key}.self_attention.core_attention.softmax_offset",
+                               (m.num_attention_heads,), pre, TPSplit(0, "tp")))
+
+
+def _attention(params: list[ParamDef], m: ModelConfig, name: str, key: str, pre: tuple) -> None:
+    """Self-attention with one fused QKV projection (and its input norm)."""
+    H, hn, np_, ng = m.hidden_size, m.head_dim, m.num_attention_heads, m.groups
+    bias, col, row = m.add_bias_linear, TPSplit(0, "tp"), TPSplit(1, "tp")
+    te = m.transformer_impl == "transformer_engine"
+    if not te:
+        params += _norm(m, f"{name}.input_layernorm",
+                        f"{key}.self_attention.linear_qkv.layer_norm", pre, H)
+    _softmax_offset(params, m, name, key, pre)
+    params += _linear(f"{name}.self_attention.linear_proj", f"{key}.self_attention.linear_proj",
+                      H, np_ * hn, pre, row, bias, False)
+    if te:
+        params += _fused_norm(m, f"{name}.self_attention.linear_qkv",
+                              f"{key}.self_attention.linear_qkv", pre, H)
+    params += _linear(f"{name}.self_attention.linear_qkv", f"{key}.self_attention.linear_qkv",
+                      ng * (np_ // ng + 2) * hn, H, pre, col, bias, True)
+    if m.qk_layernorm:
+        for qk in ("q_layernorm", "k_layernorm"):
+            params += _norm(m, f"{name}.self_attention.{qk}", f"{key}.self_attention.{qk}",
+                            pre, hn)
+
+
+def mla_modules(m: ModelConfig, q_norm: bool) -> tuple[tuple[str, int | None], ...]:
+    """The projections of TE multi-latent attention after ``linear_proj``, in build order, each
+    with the size of the norm fused into it (None: no norm).
+
+    The down projections are TE ``Linear`` in ``duplicated`` mode: whole on every TP rank (M16
+    transformer/multi_latent_attention.py:406-480). With ``qk_layernorm`` the q/kv norms are
+    fused into the up projections (M16 models/gpt/gpt_layer_specs.py:233-244); ``q_norm``: the
+    version also fuses one into ``linear_q_proj`` (``versions.Series.mla_q_proj_norm``).
+    """
+    qkn = m.qk_layernorm
+    if m.q_lora_rank is None:
+        q = (("linear_q_proj", m.hidden_size if qkn and q_norm else None),)
+    else:
+        q = (("linear_q_down_proj", None), ("linear_q_up_proj", m.q_lora_rank if qkn else None))
+    return (*q, ("linear_kv_down_proj", None),
+            ("linear_kv_up_proj", m.kv_lora_rank if qkn else None))
+
+
+def _mla(params: list[ParamDef], m: ModelConfig, name: str, key: str, pre: tuple,
+         q_norm: bool) -> None:
+    """Multi-latent attention with Transformer Engine layers (megatron-core's local core
+    attention cannot build it: it takes no separate key/value head sizes). The input norm is
+    a TENorm of its own, built before self-attention (M16 gpt_layer_specs.py:245-262)."""
+    H, heads = m.hidden_size, m.num_attention_heads
+    col, row = TPSplit(0, "tp"), TPSplit(1, "tp")
+    params += _norm(m, f"{name}.input_layernorm", f"{key}.input_layernorm", pre, H)
+    _softmax_offset(params, m, name, key, pre)
+    params += _linear(f"{name}.self_attention.linear_proj", f"{key}.self_attention.linear_proj",
+                      H, heads * m.v_head_dim, pre, row, m.add_bias_linear, False)
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    shapes = {"linear_q_proj": (heads * q_head, H, col),
+              "linear_q_down_proj": (m.q_lora_rank, H, None),
+              "linear_q_up_proj": (heads * q_head, m.q_lora_rank, col),
+              "linear_kv_down_proj": (m.kv_lora_rank + m.qk_pos_emb_head_dim, H, None),
+              "linear_kv_up_proj": (heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank,
+                                    col)}
+    for proj, norm in mla_modules(m, q_norm):
+        pname, pkey = f"{name}.self_attention.{proj}", f"{key}.self_attention.{proj}"
+        if norm is not None:
+            params += _fused_norm(m, pname, pkey, pre, norm)
+        out_f, in_f, split = shapes[proj]
+        params += _linear(pname, pkey, out_f, in_f, pre, split, False, False)
+
+
 @dataclass(frozen=True, slots=True)
 class ExtraStateDef:
     """A Transformer Engine module's ``_extra_state``: one checkpoint ShardedObject.
@@ -224,12 +294,13 @@ class ExtraStateDef:
 
 @lru_cache(maxsize=4096)
 def chunk_extra_states(m: ModelConfig, ep: int, ep_rank: int, layers: tuple[int, ...],
-                       post: bool) -> tuple[ExtraStateDef, ...]:
+                       post: bool, *, megatron_core: str) -> tuple[ExtraStateDef, ...]:
     """The ``_extra_state`` objects of one chunk's TE modules (none for the local spec).
 
-    Every TE linear and TENorm has one; core attention emits none with the vanilla softmax
-    (M16 extensions/transformer_engine.py:1436-1455), and the embedding and output layer are
-    not TE modules. Each GEMM of a grouped linear saves its own, under the linear's key.
+    Every TE linear and TENorm has one; core attention only with a learnable softmax, whose
+    state dict it then saves whole (M16 extensions/transformer_engine.py:1436-1455), and the
+    embedding and output layer are not TE modules. Each GEMM of a grouped linear saves its
+    own, under the linear's key.
     """
     if m.transformer_impl != "transformer_engine":
         return ()
@@ -241,9 +312,17 @@ def chunk_extra_states(m: ModelConfig, ep: int, ep_rank: int, layers: tuple[int,
             key, pre = "decoder.layers", ((layer, m.num_layers),)
         else:
             key, pre = f"decoder.layers.{layer}", ()
-        mods = ["self_attention.linear_proj", "self_attention.linear_qkv"]
-        if m.qk_layernorm:
-            mods += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
+        mods = ["input_layernorm"] if m.multi_latent_attention else []
+        if m.softmax_type == "learnable":
+            mods.append("self_attention.core_attention")
+        mods.append("self_attention.linear_proj")
+        if m.multi_latent_attention:
+            q_norm = series(megatron_core).mla_q_proj_norm
+            mods += [f"self_attention.{proj}" for proj, _ in mla_modules(m, q_norm)]
+        else:
+            mods.append("self_attention.linear_qkv")
+            if m.qk_layernorm:
+                mods += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
         if not moe[layer]:
             mods += ["mlp.linear_fc1", "mlp.linear_fc2"]
         else:

@@ -78,6 +78,11 @@ def _check_model(spec: LayoutSpec) -> None:
           "spec's grouped GEMM is the legacy GroupedMLP, not modelled)", True)
     _need(not m.moe_grouped_gemm or m.num_moe_experts is not None, "model.moe_grouped_gemm",
           "needs num_moe_experts", True)
+    # megatron-core's local DotProductAttention takes no separate key/value head sizes, so
+    # building MLA with the local spec fails in megatron itself (both versions).
+    _need(not m.multi_latent_attention or m.transformer_impl == "transformer_engine",
+          "model.multi_latent_attention", "needs transformer_impl=transformer_engine "
+          "(megatron-core's local core attention cannot build multi-latent attention)", True)
     if isinstance(m.moe_layer_freq, tuple):
         _need(len(m.moe_layer_freq) == m.num_layers, "model.moe_layer_freq",
               f"a list must have one 0/1 entry per layer (num_layers={m.num_layers})",

@@ -53,6 +53,15 @@ class ModelConfig(_Strict):
     untie_embeddings_and_output_weights: StrictBool = False
     add_bias_linear: StrictBool = False
     qk_layernorm: StrictBool = False
+    # Multi-latent attention (DeepSeek-V2/V3, Kimi-K2); defaults are Megatron-LM's arguments.
+    multi_latent_attention: StrictBool = False
+    q_lora_rank: PositiveInt | None = None  # None: one linear_q_proj, no q down/up projection
+    kv_lora_rank: PositiveInt = 32
+    qk_head_dim: PositiveInt = 128
+    qk_pos_emb_head_dim: PositiveInt = 64
+    v_head_dim: PositiveInt = 128
+    # "learnable": attention sinks, a per-head softmax_offset parameter (GPT-OSS).
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
     num_moe_experts: Annotated[StrictInt, Field(ge=1, le=16_384)] | None = None
     moe_ffn_hidden_size: PositiveInt | None = None
     moe_router_topk: PositiveInt = 2

@@ -31,15 +31,21 @@ class Series:
             when ETP != TP even at EP=1 (0.19: ``use_expert_pgs``, M19
             tensor_parallel/layers.py:961-964 and 1379-1382); before, only when EP > 1
             (M16 tensor_parallel/layers.py:886, 1209).
+        mla_q_proj_norm: with multi-latent attention, ``qk_layernorm`` and no ``q_lora_rank``,
+            the query norm is fused into ``linear_q_proj`` over the hidden size (0.19:
+            ``QKNormConfigResolver``, M19 transformer/mla_qk_norm_config.py:132-167); before,
+            that query has no norm at all (M16 transformer/multi_latent_attention.py:391-404,
+            497-503).
     """
 
     tested: str
     etp_own_expert_buffer: bool
+    mla_q_proj_norm: bool
 
 
 SERIES: dict[tuple[int, int], Series] = {
-    (0, 16): Series(tested="0.16.1", etp_own_expert_buffer=False),
-    (0, 19): Series(tested="0.19.2", etp_own_expert_buffer=True),
+    (0, 16): Series(tested="0.16.1", etp_own_expert_buffer=False, mla_q_proj_norm=False),
+    (0, 19): Series(tested="0.19.2", etp_own_expert_buffer=True, mla_q_proj_norm=True),
 }
 
 

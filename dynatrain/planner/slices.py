@@ -234,10 +234,11 @@ def _stage_leads(layout: Layout, pp: int, ep: int) -> dict[str, np.ndarray | Non
     moe = m.moe_pattern()
     for ch in layout.chunks(pp):
         edge_defs, edge_bufs = chunk_params(m, p.tp, p.ep, ep, (), ch.pre_process,
-                                            ch.post_process, p.pp > 1)
+                                            ch.post_process, p.pp > 1,
+                                            megatron_core=layout.spec.megatron_core)
         _add_leads(leads, (*edge_defs, *edge_bufs))
         for layer in ch.layers:
-            for key, rests in _layer_leads(m, p.ep, ep, moe[layer]):
+            for key, rests in _layer_leads(m, layout.spec.megatron_core, p.ep, ep, moe[layer]):
                 got = leads.get(key, ())
                 if rests is None:
                     leads[key] = None
@@ -250,13 +251,14 @@ def _stage_leads(layout: Layout, pp: int, ep: int) -> dict[str, np.ndarray | Non
 
 
 @lru_cache(maxsize=256)
-def _layer_leads(m, ep_size: int, ep: int, is_moe: bool
+def _layer_leads(m, megatron_core: str, ep_size: int, ep: int, is_moe: bool
                  ) -> tuple[tuple[str, tuple[tuple[int, ...], ...] | None], ...]:
     """Per key of a stacked layer of this kind on EP rank ``ep``: its leading indices after
     the layer's own (the experts' for expert weights, ``()`` otherwise), None for a key
     without leading axes."""
     layer = m.moe_pattern().index(is_moe)
-    defs, bufs = chunk_params(m, 1, ep_size, ep, (layer,), False, False, False)
+    defs, bufs = chunk_params(m, 1, ep_size, ep, (layer,), False, False, False,
+                              megatron_core=megatron_core)
     out: dict[str, dict[tuple[int, ...], None] | None] = {}
     for d in (*defs, *bufs):
         if not d.prepend:

@@ -355,13 +355,13 @@ def _fields(e: _Elems) -> tuple[int, ...]:
 
 @lru_cache(maxsize=1024)
 def _part(m: ModelConfig, tp: int, ep: int, etp: int, layer: int | None, pre: bool, post: bool,
-          pipelined: bool) -> _Elems:
+          pipelined: bool, megatron_core: str) -> _Elems:
     """One layer's elements on one rank (``layer`` None: only the pre/post-process parts).
 
     Every layer of one kind (dense or MoE) holds the same sizes, so one stands for all.
     """
     defs, bufs = chunk_params(m, tp, ep, 0, () if layer is None else (layer,), pre, post,
-                              pipelined)
+                              pipelined, megatron_core=megatron_core)
     acc = [0] * 7
     for d in defs:
         ways = etp if d.expert else tp
@@ -392,7 +392,8 @@ class _Footprint:
         inst = p.num_distributed_optimizer_instances
         self.dense_dp, self.expert_dp = lay.dp * p.cp // inst, lay.edp // inst
         self.kind = {flag: self._layer_kind(flag) for flag in set(self.moe)}
-        self.pre_post = {(a, b): _part(m, p.tp, p.ep, p.expert_tp, None, a, b, p.pp > 1)
+        self.pre_post = {(a, b): _part(m, p.tp, p.ep, p.expert_tp, None, a, b, p.pp > 1,
+                                       self.spec.megatron_core)
                          for a in (False, True) for b in (False, True)}
         self.stages = [[self._chunk(c) for c in lay.chunks(pp)] for pp in range(p.pp)]
         self.stage_bytes = [self._bytes(chunks) for chunks in self.stages]
@@ -400,7 +401,8 @@ class _Footprint:
     def _layer_kind(self, moe: bool) -> _Elems:
         p = self.spec.parallel
         first = self.moe.index(moe)
-        return _part(self.spec.model, p.tp, p.ep, p.expert_tp, first, False, False, p.pp > 1)
+        return _part(self.spec.model, p.tp, p.ep, p.expert_tp, first, False, False, p.pp > 1,
+                     self.spec.megatron_core)
 
     def _chunk(self, c: Any) -> _Elems:
         n_moe = sum(self.moe[i] for i in c.layers)

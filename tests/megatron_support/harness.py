@@ -74,7 +74,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from dynatrain.runtime.megatron.cpu import cpu_shim
 
@@ -93,6 +93,14 @@ CFG_KEYS: dict[str, Any] = {
     "add_bias_linear": False,
     "add_qkv_bias": False,
     "qk_layernorm": False,
+    # Multi-latent attention (MLATransformerConfig; rope_type "rope": no parameters either way).
+    "multi_latent_attention": False,
+    "q_lora_rank": None,  # None: one linear_q_proj instead of the q down/up projections
+    "kv_lora_rank": 32,
+    "qk_head_dim": 16,
+    "qk_pos_emb_head_dim": 8,
+    "v_head_dim": 16,
+    "softmax_type": "vanilla",  # "learnable": a per-head softmax_offset (attention sinks)
     "normalization": "LayerNorm",  # megatron's default; "RMSNorm" also works
     "position_embedding_type": "rope",  # "learned_absolute" adds embedding.position_embeddings
     "seq_length": 64,  # max_sequence_length (size of learned position embeddings)
@@ -372,8 +380,15 @@ def _transformer_config(c: dict) -> TransformerConfig:
             moe_token_dispatcher_type="allgather",
             moe_grouped_gemm=bool(c["moe_grouped_gemm"]),
         )
+    if c["softmax_type"] != "vanilla":
+        kw["softmax_type"] = c["softmax_type"]
     kw.update(c["transformer_config_overrides"] or {})
-    return TransformerConfig(**kw)
+    if not c["multi_latent_attention"]:
+        return TransformerConfig(**kw)
+    return MLATransformerConfig(
+        **kw, q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
+        qk_head_dim=c["qk_head_dim"], qk_pos_emb_head_dim=c["qk_pos_emb_head_dim"],
+        v_head_dim=c["v_head_dim"], rope_type="rope")
 
 
 def _te_spec(c: dict, config: TransformerConfig, vp_stage):
@@ -391,6 +406,7 @@ def _te_spec(c: dict, config: TransformerConfig, vp_stage):
         )
     return get_gpt_layer_with_transformer_engine_spec(
         num_experts=None, moe_grouped_gemm=False, qk_layernorm=bool(c["qk_layernorm"]),
+        multi_latent_attention=bool(c["multi_latent_attention"]),
     )
 
 
@@ -427,6 +443,7 @@ def _build(c: dict):
         else:
             spec = get_gpt_layer_local_spec(
                 num_experts=None, moe_grouped_gemm=False, qk_layernorm=bool(c["qk_layernorm"]),
+                multi_latent_attention=bool(c["multi_latent_attention"]),
                 normalization=c["normalization"],
             )
         if c["cp"] > 1:

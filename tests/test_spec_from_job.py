@@ -179,7 +179,7 @@ def test_moe_layer_freq_pattern_string() -> None:
 @pytest.mark.parametrize("arg, value", [
     ("moe_use_legacy_grouped_gemm", True),
     ("fp8", "hybrid"),
-    ("multi_latent_attention", True),
+    ("mla_down_proj_fusion", True),
     # megatron-core 0.19 / Megatron-LM 0.19 names that change the layout.
     ("hybrid_layer_pattern", "M*-M*-"),
     ("freeze_all_layers", True),
@@ -190,6 +190,23 @@ def test_unsupported_arguments_refused_in_one_line(arg, value) -> None:
         read_megatron({**QWEN235_ARGS, arg: value}, W32)
     text = str(err.value)
     assert "\n" not in text and text.startswith(f"{arg}: is not supported by DynaTrain yet")
+
+
+def test_mla_and_sink_arguments_read_into_the_spec() -> None:
+    """--multi-latent-attention with its ranks and head sizes, and --softmax-type, map into
+    the model; MLA with local layers gets megatron's own refusal, named by the argument."""
+    mla = {"multi_latent_attention": True, "q_lora_rank": 1536, "kv_lora_rank": 512,
+           "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128,
+           "softmax_type": "learnable"}
+    te = {"transformer_impl": "transformer_engine"}
+    m = read_megatron({**QWEN235_ARGS, **mla, **te}, W32).spec.model
+    assert {k: getattr(m, k) for k in mla} == mla
+    plain = read_megatron(QWEN235_ARGS, W32).spec.model
+    assert (plain.multi_latent_attention, plain.softmax_type) == (False, "vanilla")
+    with pytest.raises(SpecError) as err:
+        read_megatron({**QWEN235_ARGS, **mla, "transformer_impl": "local"}, W32)
+    assert str(err.value).startswith("multi_latent_attention: needs transformer_impl="
+                                     "transformer_engine")
 
 
 def test_layout_pad_buckets_and_kv_channels_args() -> None:

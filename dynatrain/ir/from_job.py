@@ -82,6 +82,9 @@ _DEFAULTS: dict[str, Any] = dict(
     # Read into parallel.sequence_parallel; validate_args turns it off at TP 1 (MT19
     # arguments.py:1393-1399, MT16 arguments.py:907-912), and so does the import.
     sequence_parallel=False,
+    # Multi-latent attention (MT16 arguments.py: --q-lora-rank ... --v-head-dim) and sinks.
+    multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128,
+    qk_pos_emb_head_dim=64, v_head_dim=128, softmax_type="vanilla",
 )
 MAPPED = frozenset(_DEFAULTS)
 
@@ -97,7 +100,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "quant_recipe": ((None,), "a quantization recipe"),
     "use_kitchen": ((False,), "kitchen quantization"),
     "use_kitchen_attention": ((False,), "kitchen attention"),
-    "multi_latent_attention": ((False,), "multi-latent attention"),
     "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
     "heterogeneous_layers_config_path": ((None, ""), "heterogeneous layers"),
     "heterogeneous_layers_config_encoded_json": ((None, ""), "heterogeneous layers"),
@@ -107,7 +109,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "experimental_attention_variant": ((None,), "experimental attention variants"),
     "linear_attention_freq": ((None,), "linear attention layers"),
     "attention_output_gate": ((False,), "attention output gates"),
-    "softmax_type": (("vanilla",), "learnable or off-by-one softmax"),
     "qk_l2_norm": ((False,), "L2 query/key norms"),
     "quick_geglu": ((False,), "quick-GeGLU (only SwiGLU gating is modelled)"),
     "is_hybrid_model": ((False,), "hybrid (Mamba) models"),
@@ -156,11 +157,14 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "moe_single_grouped_weight": ((False,), "experts' weights as one grouped parameter"),
     "moe_single_grouped_bias": ((False,), "experts' biases as one grouped parameter"),
     "fp4_param_gather": ((False,), "fp4 parameters"),  # NVFP4 params in uint8 buffers
+    # One fused q/kv down projection (FusedMLASelfAttention, M19 models/gpt/
+    # gpt_layer_specs.py:257-294): other modules and keys than the unfused MLA modelled here.
+    "mla_down_proj_fusion": ((False,), "MLA's fused q/kv down projection"),
 }
 
 # No effect on where parameters and optimizer state live (checked name by name against
 # core_v0.16.1's Megatron-LM arguments, TransformerConfig and DistributedDataParallelConfig).
-# Some only matter together with an UNSUPPORTED switch that is refused (fp8_recipe, q_lora_rank).
+# Some only matter together with an UNSUPPORTED switch that is refused (fp8_recipe).
 _IGNORED_16 = """
 _cpu_offloading_context accumulate_allreduce_grads_in_fp32 activation_func_clamp_value
 activation_func_fp8_input_store adam_beta1 adam_beta2 adam_eps add_position_embedding
@@ -237,7 +241,7 @@ inprocess_heartbeat_interval inprocess_heartbeat_timeout inprocess_last_call_wai
 inprocess_max_iterations inprocess_monitor_process_interval inprocess_monitor_thread_interval
 inprocess_progress_watchdog_interval inprocess_restart inprocess_soft_timeout
 inprocess_termination_grace_time iter_per_epoch iterations_to_skip keep_fp8_transpose_cache
-kitchen_attention_backend kv_lora_rank langrl_env_config langrl_external_server
+kitchen_attention_backend langrl_env_config langrl_external_server
 langrl_inference_server_conversation_template langrl_inference_server_type layernorm_epsilon
 layernorm_zero_centered_gamma lazy_mpu_init legacy_tokenizer linear_conv_kernel_dim
 linear_key_head_dim linear_num_key_heads linear_num_value_heads linear_value_head_dim load
@@ -280,8 +284,8 @@ overlap_param_gather_with_optimizer_step override_opt_param_scheduler param_sync
 per_dataset_sequences_path per_split_data_args_path perform_initialization perform_rl_step
 persist_layer_norm phase_transition_iterations pin_cpu_grads pin_cpu_params pipeline_dtype
 pipeline_model_parallel_comm_backend preserve_fp32_weights pretrained_checkpoint profile
-profile_ranks profile_step_end profile_step_start q_lora_rank qk_clip qk_clip_alpha
-qk_clip_threshold qk_head_dim qk_pos_emb_head_dim query_in_block_prob rampup_batch_size rank
+profile_ranks profile_step_end profile_step_start qk_clip qk_clip_alpha
+qk_clip_threshold query_in_block_prob rampup_batch_size rank
 recompute_activations recompute_granularity recompute_method recompute_modules
 recompute_num_layers record_memory_history reduce_scatter_with_fp32_accumulation refit_method
 relative_attention_max_distance relative_attention_num_buckets replication replication_factor
@@ -318,7 +322,7 @@ use_dist_ckpt_deprecated use_flash_attn use_fused_weighted_squared_relu use_lega
 use_mamba_mem_eff_path use_mp_args_from_checkpoint_args use_one_sent_docs
 use_persistent_ckpt_worker use_pytorch_profiler use_ring_exchange_p2p use_rope_scaling use_sharp
 use_te_activation_func use_te_rng_tracker use_tokenizer_model_from_checkpoint_args
-use_torch_optimizer_for_cpu_offload v_head_dim valid_data_path variable_seq_lengths
+use_torch_optimizer_for_cpu_offload valid_data_path variable_seq_lengths
 vision_backbone_type vision_pretraining vision_pretraining_type vocab_extra_ids vocab_file
 wandb_entity wandb_exp_name wandb_project wandb_save_dir warmup weight_decay
 weight_decay_incr_style wgrad_deferral_limit window_attn_skip_freq window_size yaml_cfg
@@ -461,12 +465,12 @@ _IGNORED_LM = {
         rl_submission_granularity""",
     # Only with features refused elsewhere: optimizers other than Adam (``optimizer``), the
     # layer-wise distributed optimizer (use_layer_wise_param_layout, MT19 training.py:
-    # 1635-1642), MLA (mla_down_proj_fusion). YaRN's frequencies are non-persistent buffers
+    # 1635-1642). YaRN's frequencies are non-persistent buffers
     # (M19 models/common/embeddings/yarn_rotary_pos_embedding.py:196-201); the spec refuses
     # position_embedding_type yarn by name anyway.
     "refused or parameter-free features": """
         lion_beta1 lion_beta2 muon_coefficient_type muon_nesterov muon_scalar_optimizer
-        use_layer_wise_param_layout mla_down_proj_fusion yarn_beta_fast yarn_beta_slow
+        use_layer_wise_param_layout yarn_beta_fast yarn_beta_slow
         yarn_correction_range_round_to_int yarn_original_max_position_embeddings""",
     # A capturable Adam keeps its per-parameter step as a tensor on the device, which the step
     # transfer keeps (runtime bridge._write_step: full_like the old one); the CUDA graph of
@@ -777,7 +781,8 @@ _MODEL_SAME = (
     "normalization", "untie_embeddings_and_output_weights", "add_bias_linear", "qk_layernorm",
     "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate", "moe_router_enable_expert_bias", "moe_router_score_function",
-    "num_query_groups", "moe_layer_freq",
+    "num_query_groups", "moe_layer_freq", "multi_latent_attention", "q_lora_rank",
+    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "softmax_type",
 )
 _PARALLEL = {
     "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",

@@ -6,6 +6,7 @@ entry is small enough to build with megatron-core on CPU in a second or two.
 
 from __future__ import annotations
 
+from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import spec_from_dict
 from dynatrain.ir.spec import LayoutSpec
 
@@ -17,7 +18,7 @@ _MODEL_KEYS = {
     "moe_layer_freq", "moe_router_enable_expert_bias", "normalization", "position_embedding_type",
     "max_position_embeddings", "moe_shared_expert_gate", "moe_router_score_function",
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-    "qk_pos_emb_head_dim", "v_head_dim", "softmax_type",
+    "qk_pos_emb_head_dim", "v_head_dim", "softmax_type", "transformer_impl", "moe_grouped_gemm",
 }
 _PARALLEL_KEYS = {
     "tp", "pp", "vpp", "cp", "ep", "etp", "decoder_first_pipeline_num_layers",
@@ -84,6 +85,7 @@ CASES: list[dict] = [
     case("moe-no-distopt-ep2", 4, ep=2, tp=2, etp=1, use_distributed_optimizer=False, **MOE),
     case("moe-buckets-ep2", 4, ep=2, bucket_size=3000, **MOE),
     case("distopt-instances2-dp4", 4, num_distributed_optimizer_instances=2),
+    case("sinks-tp2-gqa2-pp2", 4, tp=2, pp=2, num_query_groups=2, softmax_type="learnable"),
     case("distopt-instances2-moe-ep2-edp4", 8, ep=2, tp=2, etp=1, swiglu=True,
          num_distributed_optimizer_instances=2, **MOE),
 ]
@@ -111,6 +113,18 @@ OPTION_CASES: list[dict] = [
          num_query_groups=2, ffn_hidden_size=64),
 ]
 # fmt: on
+
+
+def drawn_case(doc: dict) -> tuple[dict, int]:
+    """A spec document drawn by tests/strategies.py as a flat config like the ones above
+    (world size from its ranks)."""
+    spec = spec_from_dict(doc)
+    model = {"ffn_hidden_size": spec.model.ffn, **doc["model"]}  # the harness needs it given
+    if model.pop("moe_first_dense_layers", 0):  # the harness takes the per-layer pattern
+        model["moe_layer_freq"] = [int(x) for x in spec.model.moe_pattern()]
+    par = {k: v for k, v in doc["parallel"].items() if k != "overlap_grad_reduce"}
+    world = Layout(spec).world
+    return {"name": doc.get("name") or "random", "world": world, **model, **par}, world
 
 
 def to_spec_dict(cfg: dict) -> dict:

@@ -85,11 +85,25 @@ def models(draw: st.DrawFn, moe: bool | None = None, te: bool = True) -> dict:
     te = te and draw(st.integers(0, 2)) == 0
     if te:
         m["transformer_impl"] = "transformer_engine"
+    if draw(st.integers(0, 3)) == 0:  # attention sinks (a learnable offset has a parameter)
+        m["softmax_type"] = draw(st.sampled_from(["learnable", "off-by-one"]))
+    if te and draw(st.integers(0, 2)) == 0:  # MLA: megatron builds it with TE layers only
+        _mla_fields(draw, m)
     if is_moe:
         _moe_fields(draw, m)
         if te and draw(st.booleans()):
             m["moe_grouped_gemm"] = True
     return m
+
+
+def _mla_fields(draw: st.DrawFn, m: dict) -> None:
+    """Multi-latent attention at small sizes; with and without the q down/up projections."""
+    m["multi_latent_attention"] = True
+    m["q_lora_rank"] = draw(st.sampled_from([None, 8, 12, 24]))
+    m["kv_lora_rank"] = draw(st.sampled_from([8, 16, 12, 32]))
+    m["qk_head_dim"] = draw(st.sampled_from([4, 8, 16, 6]))
+    m["qk_pos_emb_head_dim"] = draw(st.sampled_from([2, 4, 8]))
+    m["v_head_dim"] = draw(st.sampled_from([4, 8, 16, 6]))
 
 
 def _moe_fields(draw: st.DrawFn, m: dict) -> None:

@@ -9,7 +9,9 @@ qk-layernorm, PP/VPP, EP/ETP, sequence parallel, the distributed optimizer on an
 
 from __future__ import annotations
 
-from matrix import MOE, case, to_harness_cfg, to_spec_dict
+import functools
+
+from matrix import MOE, case, drawn_case, to_harness_cfg, to_spec_dict
 
 from dynatrain.ir.loader import spec_from_dict
 from dynatrain.ir.spec import LayoutSpec
@@ -131,13 +133,22 @@ BRIDGE = [
 ]
 
 
+# megatron-core 0.16's TE wrapper re-creates biases under use_cpu_initialization and leaves
+# sequential experts' biases dense (versions.Series.te_cpu_init_dense_expert_bias).
+CPU_INIT = case("te-cpu-init-moe-ep2-bias-sequential", 2, ep=2, add_bias_linear=True, **MOE)
+
+
 def default_request() -> list[tuple[dict, int]]:
-    """The default profile's TE builds, run in one child: ``FAST``, ``TRAIN``, ``BRIDGE``."""
+    """The default profile's TE builds, run in one child: ``FAST``, ``TRAIN``, ``BRIDGE``,
+    ``random_cases()``, then ``CPU_INIT`` built with ``use_cpu_initialization``."""
     return ([(to_harness_cfg(c), c["world"]) for c in FAST]
             + [(dict(to_harness_cfg(c), probes=TRAIN_PROBES), c["world"]) for c in TRAIN]
             + [(dict(to_harness_cfg(c), probes=[TRAIN_PROBES[1], {
                 "name": "te_bridge", "spec": to_te_spec_dict(c)}]), c["world"])
-               for c in BRIDGE])
+               for c in BRIDGE]
+            + [(to_harness_cfg(c), c["world"]) for c in random_cases()]
+            + [(dict(to_harness_cfg(CPU_INIT), transformer_config_overrides={
+                "use_cpu_initialization": True}), CPU_INIT["world"])])
 
 
 def to_te_spec(cfg: dict) -> LayoutSpec:
@@ -159,3 +170,43 @@ def to_te_spec_dict(cfg: dict) -> dict:
 def to_te_harness_cfg(cfg: dict) -> dict:
     """A TE case as the harness's input (``te.te_facts`` adds transformer_impl)."""
     return to_harness_cfg(cfg)
+
+
+@functools.cache
+def random_cases() -> list[dict]:
+    """The default profile's 30 random MLA / attention-sink jobs."""
+    return random_feature_cases(30)
+
+
+def random_feature_cases(n: int, max_world: int = 4) -> list[dict]:
+    """``n`` small random TE jobs that use multi-latent attention or attention sinks, drawn
+    (reproducibly) by the gate's own strategies: any model and layout those draw, given the
+    feature. Context parallelism is left out with a learnable softmax: the harness swaps core
+    attention for a parameter-less stand-in when cp > 1 (neither CPU core attention has CP)."""
+    from hypothesis import HealthCheck, Phase, assume, given, settings
+    from hypothesis import strategies as st
+    from strategies import layouts, models
+
+    @st.composite
+    def docs(draw: st.DrawFn) -> dict:
+        model = draw(models())
+        assume(model.get("transformer_impl") == "transformer_engine")
+        assume(model.get("multi_latent_attention") or model.get("softmax_type") == "learnable")
+        doc = draw(layouts(model, max_world=max_world))
+        assume(doc["parallel"].get("cp", 1) == 1 or model.get("softmax_type") != "learnable")
+        return doc
+
+    drawn: list[dict] = []
+
+    @settings(max_examples=n, database=None, derandomize=True, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(doc=docs())
+    def collect(doc: dict) -> None:
+        drawn.append(doc)
+
+    collect()
+    cases = []
+    for i, doc in enumerate(drawn):
+        cfg, _ = drawn_case({**doc, "name": f"te-random-{i}"})
+        cases.append(cfg)
+    return cases

@@ -130,6 +130,10 @@ COVERAGE = {
                                       and s.model.moe_shared_expert_intermediate_size),
     "moe per-layer keys": _both(lambda s: s.model.num_moe_experts
                                 and not s.model.homogeneous_layers),
+    "mla": _both(lambda s: s.model.multi_latent_attention),
+    "mla with q lora, tp > 1": _both(lambda s: s.model.multi_latent_attention
+                                     and s.model.q_lora_rank is not None and s.parallel.tp > 1),
+    "attention sinks": _both(lambda s: s.model.softmax_type == "learnable"),
     "derive_param": lambda t: t.derive,
     "budget <= 4KiB": lambda t: t.budget <= 4096,
     "place auto": lambda t: t.place == "auto",

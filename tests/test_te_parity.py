@@ -7,7 +7,8 @@ DDP buffers and buckets, DistributedOptimizer ranges), plus every ``_extra_state
 ShardedObject (key, global shape and offset, replica id), whose data must be the empty uint8
 tensor fp8-off TE saves, and which a save/load round trip through megatron leaves unchanged
 (so a switch re-initialising it, as ``ir/state.py`` does, equals megatron's reload). ``FAST``
-runs by default; all ``CASES`` (35) behind ``slow``.
+runs by default, with 30 random jobs using multi-latent attention or attention sinks drawn by the
+gate's strategies; all ``CASES`` (41) behind ``slow``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import pytest
 
 from dynatrain.ir.facts import extra_state_facts
 from dynatrain.ir.layout import Layout
-from te_cases import CASES, FAST, default_request, to_te_harness_cfg, to_te_spec
+from dynatrain.ir import versions
+from dynatrain.ir.errors import SpecError
+from dynatrain.ir.from_job import read_megatron
+from te_cases import (CASES, CPU_INIT, FAST, default_request, random_cases, to_te_harness_cfg,
+                      to_te_spec)
 
 mcore = pytest.importorskip("megatron.core")
 te = pytest.importorskip("megatron_support.te")
@@ -71,6 +76,45 @@ def _check(cases: list[dict], results: list | None = None) -> None:
 
 def test_te_fast_matrix_matches_megatron() -> None:
     _check(FAST, te.te_facts(default_request())[:len(FAST)])
+
+
+def test_random_mla_and_sink_jobs_match_megatron() -> None:
+    """30 random TE jobs with multi-latent attention or attention sinks (dense and MoE, any
+    layout the gate draws up to 4 ranks) equal megatron-core on every rank."""
+    cases = random_cases()
+    assert len(cases) >= 30
+    assert sum(bool(c.get("multi_latent_attention")) for c in cases) >= 15
+    assert sum(c.get("softmax_type") == "learnable" for c in cases) >= 10
+    start = len(default_request()) - len(cases) - 1
+    _check(cases, te.te_facts(default_request())[start:start + len(cases)])
+
+
+def test_cpu_initialised_expert_biases_follow_the_version() -> None:
+    """With use_cpu_initialization, megatron-core 0.16 puts sequential TE experts' biases in the
+    dense DDP buffer (averaged across EP ranks holding other experts): reading such a job is
+    refused on 0.16, and on 0.19 (which marks them again) the IR equals megatron."""
+    real = te.te_facts(default_request())[-1]
+    version = versions.normalize(mcore.__version__)
+    dense = {name for r in real for b in r["buffers"] if not b["is_expert"]
+             for name in b["param_index_map"]}
+    expert_biases = {n for n in dense if "local_experts" in n and n.endswith(".bias")}
+    args = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                vocab_size=100, max_position_embeddings=64, num_experts=4,
+                moe_ffn_hidden_size=32, expert_model_parallel_size=2, add_bias_linear=True,
+                use_distributed_optimizer=True, bf16=True, use_cpu_initialization=True)
+    w = {"nodes": 1, "gpus_per_node": 2}
+    if versions.series(version).te_cpu_init_dense_expert_bias:
+        assert expert_biases, "megatron-core 0.16 kept the expert biases in the expert buffer"
+        with pytest.raises(SpecError) as err:
+            read_megatron(args, w, megatron_core=version)
+        assert str(err.value).startswith("use_cpu_initialization: is not supported")
+    else:
+        assert not expert_biases
+        read_megatron(args, w, megatron_core=version)
+        _check([CPU_INIT], [real])
+    # Without it (or with grouped experts) the job reads on either version.
+    read_megatron(dict(args, use_cpu_initialization=None), w, megatron_core=version)
+    read_megatron(dict(args, moe_grouped_gemm=True), w, megatron_core=version)
 
 
 def _te_attrs(cfg: dict, name: str) -> tuple | None:

@@ -85,6 +85,8 @@ _DEFAULTS: dict[str, Any] = dict(
     # Multi-latent attention (MT16 arguments.py: --q-lora-rank ... --v-head-dim) and sinks.
     multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128,
     qk_pos_emb_head_dim=64, v_head_dim=128, softmax_type="vanilla",
+    # Checked per version (``_refuse_version_specific``), not read into the spec.
+    use_cpu_initialization=None,
 )
 MAPPED = frozenset(_DEFAULTS)
 
@@ -317,7 +319,7 @@ tp_comm_bootstrap_backend tp_comm_bulk_dgrad tp_comm_bulk_wgrad tp_comm_overlap
 tp_comm_overlap_ag tp_comm_overlap_cfg tp_comm_overlap_disable_fc1 tp_comm_overlap_disable_qkv
 tp_comm_overlap_rs tp_comm_overlap_rs_dgrad tp_comm_split_ag tp_comm_split_rs tp_only_amax_red
 train_data_path train_iters train_samples train_sync_interval trust_remote_code
-use_checkpoint_args use_checkpoint_opt_param_scheduler use_cpu_initialization use_dist_ckpt
+use_checkpoint_args use_checkpoint_opt_param_scheduler use_dist_ckpt
 use_dist_ckpt_deprecated use_flash_attn use_fused_weighted_squared_relu use_legacy_static_engine
 use_mamba_mem_eff_path use_mp_args_from_checkpoint_args use_one_sent_docs
 use_persistent_ckpt_worker use_pytorch_profiler use_ring_exchange_p2p use_rope_scaling use_sharp
@@ -611,6 +613,7 @@ def read_megatron(args_or_config: Any, world: Any, *, ddp_config: Any = None,
     except ValueError as err:
         raise SpecError("megatron_core", str(err), _plain(megatron_core)) from None
     _refuse_unsupported(a, label)
+    _refuse_version_specific(a, label, version)
     doc, origin, notes = _document(a, world, label, training=source == "args",
                                    version=version)
     if name is not None:
@@ -653,6 +656,21 @@ def _from_core(config: Any, ddp_config: Any) -> tuple[dict[str, Any], dict[str, 
         if arg in out:
             out[arg] = str(out[arg])
     return out, labels
+
+
+def _refuse_version_specific(a: dict[str, Any], label: Callable[[str], str],
+                             version: str) -> None:
+    """Layouts a megatron-core version builds that the spec cannot say."""
+    ep = a["expert_model_parallel_size"]
+    if (versions.series(version).te_cpu_init_dense_expert_bias and a["use_cpu_initialization"]
+            and a["transformer_impl"] == "transformer_engine" and a["add_bias_linear"]
+            and a["num_experts"] and isinstance(ep, int) and ep > 1
+            and not a["moe_grouped_gemm"]):
+        raise SpecError(label("use_cpu_initialization"), f"is not supported by DynaTrain on "
+                        f"megatron-core {version} with Transformer Engine layers, sequential "
+                        "experts, biases and EP > 1 (its TE wrapper re-creates each expert bias "
+                        "as a dense parameter, averaged across EP ranks that hold different "
+                        "experts; 0.19 fixed it)", True)
 
 
 def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:

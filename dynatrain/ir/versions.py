@@ -36,16 +36,25 @@ class Series:
             ``QKNormConfigResolver``, M19 transformer/mla_qk_norm_config.py:132-167); before,
             that query has no norm at all (M16 transformer/multi_latent_attention.py:391-404,
             497-503).
+        te_cpu_init_dense_expert_bias: with ``use_cpu_initialization``, TE's column/row
+            parallel wrappers re-create each bias as an all-reduced (dense) parameter and, on
+            0.16, never mark an expert's bias again (M16 extensions/transformer_engine.py:
+            992-1014, 1108-1114): sequential experts' biases then leave the expert buffer for
+            the dense one when EP > 1. 0.19 marks them again (M19 extensions/
+            transformer_engine.py:1474-1479, 1730-1735).
     """
 
     tested: str
     etp_own_expert_buffer: bool
     mla_q_proj_norm: bool
+    te_cpu_init_dense_expert_bias: bool
 
 
 SERIES: dict[tuple[int, int], Series] = {
-    (0, 16): Series(tested="0.16.1", etp_own_expert_buffer=False, mla_q_proj_norm=False),
-    (0, 19): Series(tested="0.19.2", etp_own_expert_buffer=True, mla_q_proj_norm=True),
+    (0, 16): Series(tested="0.16.1", etp_own_expert_buffer=False, mla_q_proj_norm=False,
+                    te_cpu_init_dense_expert_bias=True),
+    (0, 19): Series(tested="0.19.2", etp_own_expert_buffer=True, mla_q_proj_norm=True,
+                    te_cpu_init_dense_expert_bias=False),
 }
 
 

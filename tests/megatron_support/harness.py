@@ -377,6 +377,10 @@ def _transformer_config(c: dict) -> TransformerConfig:
             moe_layer_freq=c["moe_layer_freq"],
             moe_router_enable_expert_bias=bool(c["moe_router_enable_expert_bias"]),
             moe_router_score_function=c["moe_router_score_function"],
+            # megatron refuses a plain softmax over one chosen expert (zero gradient); the
+            # order of softmax and top-k holds no state.
+            moe_router_pre_softmax=(c["moe_router_topk"] == 1
+                                    and c["moe_router_score_function"] == "softmax"),
             moe_token_dispatcher_type="allgather",
             moe_grouped_gemm=bool(c["moe_grouped_gemm"]),
         )

@@ -19,6 +19,7 @@ _MODEL_KEYS = {
     "max_position_embeddings", "moe_shared_expert_gate", "moe_router_score_function",
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
     "qk_pos_emb_head_dim", "v_head_dim", "softmax_type", "transformer_impl", "moe_grouped_gemm",
+    "mtp_num_layers",
 }
 _PARALLEL_KEYS = {
     "tp", "pp", "vpp", "cp", "ep", "etp", "decoder_first_pipeline_num_layers",
@@ -86,6 +87,13 @@ CASES: list[dict] = [
     case("moe-buckets-ep2", 4, ep=2, bucket_size=3000, **MOE),
     case("distopt-instances2-dp4", 4, num_distributed_optimizer_instances=2),
     case("sinks-tp2-gqa2-pp2", 4, tp=2, pp=2, num_query_groups=2, softmax_type="learnable"),
+    case("mtp-tp2-tied-pp1", 2, tp=2, mtp_num_layers=1),
+    case("mtp2-pp2-tp2-untied-rope", 4, pp=2, tp=2, mtp_num_layers=2, position_embedding_type="rope",
+         untie_embeddings_and_output_weights=True),
+    case("mtp-moe-pp2-vpp2-ep2-untied", 4, pp=2, vpp=2, ep=2, num_layers=4, mtp_num_layers=1,
+         moe_layer_freq=[0, 1, 1, 1], position_embedding_type="rope",
+         untie_embeddings_and_output_weights=True, **MOE),
+    case("mtp-moe-last-layer-dense", 2, ep=2, mtp_num_layers=1, moe_layer_freq=[1, 0], **MOE),
     case("distopt-instances2-moe-ep2-edp4", 8, ep=2, tp=2, etp=1, swiglu=True,
          num_distributed_optimizer_instances=2, **MOE),
 ]
@@ -111,6 +119,9 @@ OPTION_CASES: list[dict] = [
          use_distributed_optimizer=False),
     case("kv-derived-floor-gqa", 4, tp=2, hidden_size=60, num_attention_heads=8,
          num_query_groups=2, ffn_hidden_size=64),
+    case("layout-mtp-last-stage", 4, pp=2, tp=2, num_layers=4, mtp_num_layers=1,
+         position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+         pipeline_model_parallel_layout="Ett|ttmL"),
 ]
 # fmt: on
 

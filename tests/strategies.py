@@ -89,6 +89,11 @@ def models(draw: st.DrawFn, moe: bool | None = None, te: bool = True) -> dict:
         m["softmax_type"] = draw(st.sampled_from(["learnable", "off-by-one"]))
     if te and draw(st.integers(0, 2)) == 0:  # MLA: megatron builds it with TE layers only
         _mla_fields(draw, m)
+    if draw(st.integers(0, 4)) == 0:  # MTP: untied, and no learned positions (rules.py)
+        m["mtp_num_layers"] = draw(st.integers(1, 2))
+        m["untie_embeddings_and_output_weights"] = True
+        if m["position_embedding_type"] == "learned_absolute":
+            m["position_embedding_type"] = "rope"
     if is_moe:
         _moe_fields(draw, m)
         if te and draw(st.booleans()):
@@ -139,7 +144,8 @@ def _tp_ok(m: ModelConfig, tp: int) -> bool:
     g = m.groups
     return (m.num_attention_heads % tp == 0 and (g % tp == 0 if g >= tp else tp % g == 0)
             and m.ffn % tp == 0 and qkv_rows % tp == 0
-            and (m.moe_shared_expert_intermediate_size or 0) % tp == 0)
+            and (m.moe_shared_expert_intermediate_size or 0) % tp == 0
+            and (not m.mtp_num_layers or m.hidden_size % tp == 0))
 
 
 @lru_cache(maxsize=64)
@@ -254,6 +260,11 @@ def layouts(draw: st.DrawFn, model: dict, pool: tuple[str, ...] = POOL,
         pipes = [p for p in layout_pipelines(m.num_layers)
                  if tp * p["pp"] <= max_world] or pipes
     pipe = draw(st.sampled_from(pipes))
+    if m.mtp_num_layers and "pipeline_model_parallel_layout" in pipe:  # MTP before the loss
+        text = pipe["pipeline_model_parallel_layout"]
+        at = text.rindex("L")
+        pipe = {**pipe, "pipeline_model_parallel_layout":
+                text[:at] + "m" * m.mtp_num_layers + text[at:]}
     pp = pipe.get("pp", 1)
     cp = draw(st.sampled_from([c for c in (1, 2, 1, 3) if tp * pp * c <= max_world]))
     dp = draw(st.integers(1, max_world // (tp * pp * cp)))

@@ -84,6 +84,12 @@ CASES: list[dict] = [
          moe_shared_expert_intermediate_size=32, moe_router_enable_expert_bias=True,
          moe_router_score_function="sigmoid", **MOE, **G, **MLA),
     case("te-mla-moe-ep2-sequential-sinks", 2, ep=2, **MOE, **MLA, **SINKS),
+    case("te-mtp-pp2-untied-qkln", 4, pp=2, tp=2, mtp_num_layers=2, qk_layernorm=True,
+         untie_embeddings_and_output_weights=True, position_embedding_type="rope"),
+    case("te-mtp-mla-moe-pp2-ep2-grouped", 4, pp=2, ep=2, num_layers=4, mtp_num_layers=1,
+         q_lora_rank=24, qk_layernorm=True, moe_layer_freq=[0, 1, 1, 1],
+         moe_shared_expert_intermediate_size=32, untie_embeddings_and_output_weights=True,
+         **MOE, **G, **MLA),
 ]
 # fmt: on
 
@@ -99,6 +105,7 @@ FAST_NAMES = (
     "te-mla-tp2-qlora-qkln-sinks-pp2",  # MLA with q down/up projections, fused norms, sinks
     "te-mla-tp2-qkln-no-qlora",  # MLA's linear_q_proj: its norm differs between versions
     "te-mla-moe-ep2-etp1-tp2-grouped-shared",  # DeepSeek-V3's shape: MLA, first layer dense
+    "te-mtp-mla-moe-pp2-ep2-grouped",  # and its MTP layer on the last stage
 )
 FAST = [c for c in CASES if c["name"] in FAST_NAMES]
 assert len(FAST) == len(FAST_NAMES)
@@ -174,12 +181,12 @@ def to_te_harness_cfg(cfg: dict) -> dict:
 
 @functools.cache
 def random_cases() -> list[dict]:
-    """The default profile's 30 random MLA / attention-sink jobs."""
+    """The default profile's 30 random MLA / attention-sink / MTP jobs."""
     return random_feature_cases(30)
 
 
 def random_feature_cases(n: int, max_world: int = 4) -> list[dict]:
-    """``n`` small random TE jobs that use multi-latent attention or attention sinks, drawn
+    """``n`` small random TE jobs that use multi-latent attention, attention sinks or MTP, drawn
     (reproducibly) by the gate's own strategies: any model and layout those draw, given the
     feature. Context parallelism is left out with a learnable softmax: the harness swaps core
     attention for a parameter-less stand-in when cp > 1 (neither CPU core attention has CP)."""
@@ -191,7 +198,8 @@ def random_feature_cases(n: int, max_world: int = 4) -> list[dict]:
     def docs(draw: st.DrawFn) -> dict:
         model = draw(models())
         assume(model.get("transformer_impl") == "transformer_engine")
-        assume(model.get("multi_latent_attention") or model.get("softmax_type") == "learnable")
+        assume(model.get("multi_latent_attention") or model.get("softmax_type") == "learnable"
+               or model.get("mtp_num_layers"))
         doc = draw(layouts(model, max_world=max_world))
         assume(doc["parallel"].get("cp", 1) == 1 or model.get("softmax_type") != "learnable")
         return doc

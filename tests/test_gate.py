@@ -134,6 +134,9 @@ COVERAGE = {
     "mla with q lora, tp > 1": _both(lambda s: s.model.multi_latent_attention
                                      and s.model.q_lora_rank is not None and s.parallel.tp > 1),
     "attention sinks": _both(lambda s: s.model.softmax_type == "learnable"),
+    "mtp": _both(lambda s: bool(s.model.mtp_num_layers) and s.parallel.pp > 1),
+    "mtp in a layout string": _both(lambda s: "m" in (s.parallel.pipeline_model_parallel_layout
+                                                       or "")),
     "derive_param": lambda t: t.derive,
     "budget <= 4KiB": lambda t: t.budget <= 4096,
     "place auto": lambda t: t.place == "auto",

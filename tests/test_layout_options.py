@@ -278,6 +278,53 @@ def test_dense_order_with_cp_refused_as_megatron_does() -> None:
     assert err.value.field == "parallel.order" and "needs cp=1 when pp > 1" in str(err.value)
 
 
+MTP = dict(mtp_num_layers=1, position_embedding_type="rope",
+           untie_embeddings_and_output_weights=True)
+
+
+@pytest.mark.parametrize("text, rule", [
+    ("Ett|mttL", "must place every decoder layer 't' before the MTP layers 'm'"),
+    ("Ettt|tm||L", "must put all MTP layers 'm' in the last stage"),  # not its last chunk
+    ("Ett|ttL", "has 0 multi-token prediction layers 'm' but mtp_num_layers=1"),
+])
+def test_mtp_layouts_refused_as_megatron_does(text: str, rule: str) -> None:
+    """MTP layers in a layout string: megatron's layout object asserts on each refusal."""
+    cfg = case("mtp-layout", 2, pp=2, num_layers=4, pipeline_model_parallel_layout=text, **MTP)
+    with pytest.raises(SpecError) as err:
+        to_spec(cfg)
+    assert rule in str(err.value)
+    with pytest.raises(AssertionError):
+        PipelineParallelLayerLayout(text, 2).validate_layer_layout(4, 1)
+
+
+def test_standalone_mtp_refused_by_name() -> None:
+    """MTP on a rank before the last is megatron's ``mtp_standalone``; DynaTrain refuses it
+    (its embedding copy is outside the default embedding group)."""
+    assert PipelineParallelLayerLayout("Ettttm|L", 2).validate_layer_layout(4, 1) is True
+    with pytest.raises(SpecError) as err:
+        to_spec(case("mtp-standalone", 2, pp=2, num_layers=4,
+                     pipeline_model_parallel_layout="Ettttm|L", **MTP))
+    assert "DynaTrain does not model them on an earlier rank" in str(err.value)
+
+
+def test_mtp_refusals_are_megatron_facts() -> None:
+    """With pp > 1, a tied embedding fails megatron's own sharded_state_dict on the MTP stage,
+    and learned positions are two different tensors saved as one (both replica 0)."""
+    tied = case("mtp-tied-pp2", 2, pp=2, **dict(MTP, untie_embeddings_and_output_weights=False))
+    assert "AssertionError" in harness.mcore_rejects(to_harness_cfg(tied), 2)
+    learned = case("mtp-learned-pp2", 2, pp=2, **dict(MTP, position_embedding_type=
+                                                      "learned_absolute"))
+    real = harness.megatron_facts(to_harness_cfg(learned), 2)
+    mains = [r for r in range(2) for p in real[r]["params"]
+             if p["key"] == "embedding.position_embeddings.weight" and not any(p["replica_id"])]
+    assert mains == [0, 1]
+    for cfg, rule in ((tied, "needs untie_embeddings_and_output_weights"),
+                      (learned, "needs a position embedding other than learned_absolute")):
+        with pytest.raises(SpecError) as err:
+            to_spec(cfg)
+        assert err.value.field == "model.mtp_num_layers" and rule in str(err.value)
+
+
 def test_layout_spec_round_trips_through_yaml() -> None:
     spec = to_spec(next(c for c in OPTION_CASES if c["name"] == "layout-vpp3-x-n"))
     again = parse_spec(spec_to_yaml_text(spec))

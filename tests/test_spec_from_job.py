@@ -229,7 +229,19 @@ def test_layout_pad_buckets_and_kv_channels_args() -> None:
            ({"pipeline_model_parallel_layout": "Et*79|L"}, "pipeline_model_parallel_layout: "
             "has 2 stages, which must be a multiple of pp=4"),
            ({"pipeline_model_parallel_layout": "Et*9|(t*10|)*6,t*11mL"},
-            "pipeline_model_parallel_layout: has multi-token prediction layers"),
+            "pipeline_model_parallel_layout: has 1 multi-token prediction layers 'm' but "
+            "mtp_num_layers=None"),
+           ({"pipeline_model_parallel_layout": "Et*9|(t*10|)*5,t*10m|t*11L",
+             "mtp_num_layers": 1, "untie_embeddings_and_output_weights": True},
+            "pipeline_model_parallel_layout: must place every decoder layer 't' before"),
+           ({"pipeline_model_parallel_layout": "Et*9|(t*10|)*6,t*11L", "mtp_num_layers": 1,
+             "untie_embeddings_and_output_weights": True},
+            "pipeline_model_parallel_layout: has 0 multi-token prediction layers"),
+           ({"mtp_num_layers": 1, "untie_embeddings_and_output_weights": False},
+            "mtp_num_layers: with pp > 1 needs "
+            "untie_embeddings_and_output_weights"),
+           ({"mtp_use_repeated_layer": True, "mtp_num_layers": 2},
+            "mtp_use_repeated_layer: is not supported by DynaTrain yet"),
            ({"pipeline_model_parallel_layout": 7}, "pipeline_model_parallel_layout: "),
            ({"ddp_pad_buckets_for_high_nccl_busbw": "yes"},
             "ddp_pad_buckets_for_high_nccl_busbw: "),

@@ -42,12 +42,14 @@ def compare_te_rank(layout: Layout, rank: int, real: dict) -> list[str]:
     diffs = compare_rank(layout, rank, real)
     objs = real["probes"][0]["objects"]
     reload = real["probes"][0]["reload"]
-    if reload["changed"] or not reload["modules"]:
+    ours_objs = extra_state_facts(layout, rank)
+    # A rank of empty pipeline stages (layout strings) holds no TE module to reload.
+    if reload["changed"] or (not reload["modules"] and ours_objs):
         diffs.append(f"reloading _extra_state changed TE modules: {reload}")
     bad = [o["dict_key"] for o in objs if (o["data_dtype"], o["data_numel"]) != ("torch.uint8", 0)]
     if bad:
         diffs.append(f"non-empty _extra_state (fp8 is off): {bad[:4]}")
-    ours, theirs = _objects(extra_state_facts(layout, rank)), _objects(objs)
+    ours, theirs = _objects(ours_objs), _objects(objs)
     if len(theirs) != len(objs):
         diffs.append("two _extra_state objects share a (chunk, key, offset)")
     if ours != theirs:
@@ -79,12 +81,13 @@ def test_te_fast_matrix_matches_megatron() -> None:
 
 
 def test_random_mla_and_sink_jobs_match_megatron() -> None:
-    """30 random TE jobs with multi-latent attention or attention sinks (dense and MoE, any
+    """30 random TE jobs with multi-latent attention, attention sinks or MTP (dense and MoE, any
     layout the gate draws up to 4 ranks) equal megatron-core on every rank."""
     cases = random_cases()
     assert len(cases) >= 30
-    assert sum(bool(c.get("multi_latent_attention")) for c in cases) >= 15
-    assert sum(c.get("softmax_type") == "learnable" for c in cases) >= 10
+    assert sum(bool(c.get("multi_latent_attention")) for c in cases) >= 10
+    assert sum(c.get("softmax_type") == "learnable" for c in cases) >= 4
+    assert sum(bool(c.get("mtp_num_layers")) for c in cases) >= 5
     start = len(default_request()) - len(cases) - 1
     _check(cases, te.te_facts(default_request())[start:start + len(cases)])
 

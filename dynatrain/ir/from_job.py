@@ -84,7 +84,7 @@ _DEFAULTS: dict[str, Any] = dict(
     sequence_parallel=False,
     # Multi-latent attention (MT16 arguments.py: --q-lora-rank ... --v-head-dim) and sinks.
     multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128,
-    qk_pos_emb_head_dim=64, v_head_dim=128, softmax_type="vanilla",
+    qk_pos_emb_head_dim=64, v_head_dim=128, softmax_type="vanilla", mtp_num_layers=None,
     # Checked per version (``_refuse_version_specific``), not read into the spec.
     use_cpu_initialization=None,
 )
@@ -102,7 +102,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "quant_recipe": ((None,), "a quantization recipe"),
     "use_kitchen": ((False,), "kitchen quantization"),
     "use_kitchen_attention": ((False,), "kitchen attention"),
-    "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
     "heterogeneous_layers_config_path": ((None, ""), "heterogeneous layers"),
     "heterogeneous_layers_config_encoded_json": ((None, ""), "heterogeneous layers"),
     "heterogeneous_block_specs": ((False,), "heterogeneous layers"),
@@ -162,6 +161,9 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     # One fused q/kv down projection (FusedMLASelfAttention, M19 models/gpt/
     # gpt_layer_specs.py:257-294): other modules and keys than the unfused MLA modelled here.
     "mla_down_proj_fusion": ((False,), "MLA's fused q/kv down projection"),
+    # One MTP layer built and applied mtp_num_layers times (M19 multi_token_prediction.py:
+    # 1745-1756): one layer's parameters, not mtp_num_layers'.
+    "mtp_use_repeated_layer": ((False,), "one MTP layer repeated"),
 }
 
 # No effect on where parameters and optimizer state live (checked name by name against
@@ -370,10 +372,12 @@ _IGNORED_19 = {
         inference_cuda_graph_scope inference_disable_triton_nvls_kernels
         inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels
         inference_moe_token_dispatcher_type""",
-    # Only with features refused elsewhere: MTP (mtp_num_layers), DSA
-    # (experimental_attention_variant), Mamba (is_hybrid_model), the mxfp8 LM head (fp8).
+    # Only with features refused elsewhere: DSA (experimental_attention_variant), Mamba
+    # (is_hybrid_model, mtp_hybrid_override_pattern), the mxfp8 LM head (fp8). MTP's detached
+    # heads only put its parameters in a grad-norm group of their own (M19 transformer/
+    # multi_token_prediction.py:1694-1697).
     "refused features": """
-        mtp_use_repeated_layer mtp_detach_heads mtp_hybrid_override_pattern
+        mtp_detach_heads mtp_hybrid_override_pattern
         dsa_indexer_topk_freq dsa_indexer_skip_topk_offset dsa_kernel_backend
         dsa_indexer_rope_interleaved dsa_indexer_rotate_activation dsa_indexer_scoring_relu
         dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32 mamba_training_ssm_states_dtype
@@ -801,6 +805,7 @@ _MODEL_SAME = (
     "moe_shared_expert_gate", "moe_router_enable_expert_bias", "moe_router_score_function",
     "num_query_groups", "moe_layer_freq", "multi_latent_attention", "q_lora_rank",
     "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "softmax_type",
+    "mtp_num_layers",
 )
 _PARALLEL = {
     "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",

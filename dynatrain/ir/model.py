@@ -90,20 +90,33 @@ def chunk_params(
     H, vp = m.hidden_size, padded_vocab(m, tp)
     vocab_split = TPSplit(0, "tp", vocab=True)
     tied = not m.untie_embeddings_and_output_weights
-    if pre:
+    # The MTP layers sit on the last stage (the rules refuse them elsewhere), which then builds
+    # an embedding of its own, kept equal to the first stage's like a tied output layer (M16
+    # models/gpt/gpt_model.py:147-160, language_module.py:186-221).
+    mtp = post and bool(m.mtp_num_layers)
+    if pre or mtp:
         params.append(ParamDef("embedding.word_embeddings.weight",
                                "embedding.word_embeddings.weight", (vp, H), split=vocab_split,
-                               shared_embedding=tied and pipelined and not post))
+                               tied_copy=not pre,
+                               shared_embedding=pipelined and (tied or bool(m.mtp_num_layers))))
         if m.position_embedding_type == "learned_absolute":
             params.append(ParamDef("embedding.position_embeddings.weight",
                                    "embedding.position_embeddings.weight",
                                    (m.max_position_embeddings, H)))
     moe = m.moe_pattern()
-    q_norm = series(megatron_core).mla_q_proj_norm
+    ver = series(megatron_core)
     for local, layer in enumerate(layers):
-        _layer(params, buffers, m, ep, ep_rank, local, layer, moe[layer], q_norm)
+        if m.homogeneous_layers:
+            key, lpre = "decoder.layers", ((layer, m.num_layers),)
+        else:
+            key, lpre = f"decoder.layers.{layer}", ()
+        _layer(params, buffers, m, ep, ep_rank, f"decoder.layers.{local}", key, lpre,
+               moe[layer], ver.mla_q_proj_norm)
     if post:
         params.extend(_norm(m, "decoder.final_layernorm", "decoder.final_layernorm", (), H))
+        if mtp:
+            for k in range(m.mtp_num_layers or 0):
+                _mtp_layer(params, buffers, m, ep, ep_rank, k, bool(layers), ver)
         if not tied or not pre:
             key = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
             params.append(ParamDef("output_layer.weight", key, (vp, H), split=vocab_split,
@@ -136,14 +149,38 @@ def _linear(name: str, key: str, out_f: int, in_f: int, pre: tuple, split: TPSpl
     return [w, ParamDef(f"{name}.bias", f"{key}.bias", (out_f,), pre, b_split, expert)]
 
 
+def mtp_inner_moe(m: ModelConfig, stage_has_layers: bool) -> bool:
+    """Whether an MTP layer's transformer layer is an MoE layer: Megatron-LM gives it the spec
+    of the model's last decoder layer, or an MoE layer spec when the MTP stage of an MoE model
+    builds no decoder layer (MT19 training/models/gpt.py:94-130, 387-412)."""
+    if not m.num_moe_experts:
+        return False
+    return m.moe_pattern()[-1] or not stage_has_layers
+
+
+def _mtp_layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep: int,
+               ep_rank: int, k: int, stage_has_layers: bool, ver) -> None:
+    """MTP layer ``k``: norms of the embedding and of the hidden state, their joint projection,
+    one transformer layer and a final norm, each under its own, never stacked, key (M16
+    transformer/multi_token_prediction.py:632-678, 1151-1162). 0.19 names the inner layer
+    ``mtp_model_layer`` and saves it as ``transformer_layer`` (M19 multi_token_prediction.py:
+    1555-1558)."""
+    H, name, key = m.hidden_size, f"mtp.layers.{k}", f"mtp.layers.{k}"
+    params += _norm(m, f"{name}.enorm", f"{key}.enorm", (), H)
+    params += _norm(m, f"{name}.hnorm", f"{key}.hnorm", (), H)
+    params += _linear(f"{name}.eh_proj", f"{key}.eh_proj", H, 2 * H, (), TPSplit(0, "tp"),
+                      False, False)
+    _layer(params, buffers, m, ep, ep_rank, f"{name}.{ver.mtp_inner_name}",
+           f"{key}.transformer_layer", (), mtp_inner_moe(m, stage_has_layers),
+           ver.mla_q_proj_norm)
+    params += _norm(m, f"{name}.final_layernorm", f"{key}.final_layernorm", (), H)
+
+
 def _layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep: int,
-           ep_rank: int, local: int, layer: int, is_moe: bool, q_norm: bool) -> None:
+           ep_rank: int, name: str, key: str, pre: tuple, is_moe: bool, q_norm: bool) -> None:
+    """One transformer layer named ``name`` under checkpoint key ``key`` (``pre``: its
+    leading layer axis when layers are stacked)."""
     H = m.hidden_size
-    name = f"decoder.layers.{local}"
-    if m.homogeneous_layers:
-        key, pre = "decoder.layers", ((layer, m.num_layers),)
-    else:
-        key, pre = f"decoder.layers.{layer}", ()
     bias = m.add_bias_linear
     row = TPSplit(1, "tp")
     te = m.transformer_impl == "transformer_engine"
@@ -306,38 +343,54 @@ def chunk_extra_states(m: ModelConfig, ep: int, ep_rank: int, layers: tuple[int,
         return ()
     out: list[ExtraStateDef] = []
     moe = m.moe_pattern()
-    E = m.num_moe_experts or 0
+    ver = series(megatron_core)
     for layer in layers:
         if m.homogeneous_layers:
             key, pre = "decoder.layers", ((layer, m.num_layers),)
         else:
             key, pre = f"decoder.layers.{layer}", ()
-        mods = ["input_layernorm"] if m.multi_latent_attention else []
-        if m.softmax_type == "learnable":
-            mods.append("self_attention.core_attention")
-        mods.append("self_attention.linear_proj")
-        if m.multi_latent_attention:
-            q_norm = series(megatron_core).mla_q_proj_norm
-            mods += [f"self_attention.{proj}" for proj, _ in mla_modules(m, q_norm)]
-        else:
-            mods.append("self_attention.linear_qkv")
-            if m.qk_layernorm:
-                mods += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
-        if not moe[layer]:
-            mods += ["mlp.linear_fc1", "mlp.linear_fc2"]
-        else:
-            mods.append("pre_mlp_layernorm")
-        out += [ExtraStateDef(f"{key}.{mod}._extra_state", pre) for mod in mods]
-        if not moe[layer]:
-            continue
-        per_rank = E // ep
-        for fc in ("linear_fc1", "linear_fc2"):
-            for j in range(per_rank):
-                out.append(ExtraStateDef(f"{key}.mlp.experts.experts.{fc}._extra_state",
-                                         pre + ((ep_rank * per_rank + j, E),), expert=True))
-        if m.moe_shared_expert_intermediate_size:
-            out += [ExtraStateDef(f"{key}.mlp.shared_experts.{fc}._extra_state", pre)
-                    for fc in ("linear_fc1", "linear_fc2")]
+        out += _layer_extra_states(m, ep, ep_rank, key, pre, moe[layer], ver.mla_q_proj_norm)
     if post:
         out.append(ExtraStateDef("decoder.final_layernorm._extra_state"))
+        for k in range(m.mtp_num_layers or 0):  # in MTP layer order: norms, projection, layer
+            key = f"mtp.layers.{k}"
+            out += [ExtraStateDef(f"{key}.{mod}._extra_state")
+                    for mod in ("enorm", "hnorm", "eh_proj")]
+            inner = _layer_extra_states(m, ep, ep_rank, f"{key}.transformer_layer", (),
+                                        mtp_inner_moe(m, bool(layers)), ver.mla_q_proj_norm)
+            core = ExtraStateDef(f"{key}.transformer_layer.self_attention.core_attention"
+                                 "._extra_state")
+            if ver.mtp_core_attention_extra_state and core not in inner:
+                inner.insert(0, core)
+            out += inner
+            out.append(ExtraStateDef(f"{key}.final_layernorm._extra_state"))
     return tuple(out)
+
+
+def _layer_extra_states(m: ModelConfig, ep: int, ep_rank: int, key: str, pre: tuple,
+                        is_moe: bool, q_norm: bool) -> list[ExtraStateDef]:
+    """The ``_extra_state`` objects of one TE transformer layer under checkpoint key ``key``."""
+    mods = ["input_layernorm"] if m.multi_latent_attention else []
+    if m.softmax_type == "learnable":
+        mods.append("self_attention.core_attention")
+    mods.append("self_attention.linear_proj")
+    if m.multi_latent_attention:
+        mods += [f"self_attention.{proj}" for proj, _ in mla_modules(m, q_norm)]
+    else:
+        mods.append("self_attention.linear_qkv")
+        if m.qk_layernorm:
+            mods += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
+    mods += ["pre_mlp_layernorm"] if is_moe else ["mlp.linear_fc1", "mlp.linear_fc2"]
+    out = [ExtraStateDef(f"{key}.{mod}._extra_state", pre) for mod in mods]
+    if not is_moe:
+        return out
+    E = m.num_moe_experts or 0
+    per_rank = E // ep
+    for fc in ("linear_fc1", "linear_fc2"):
+        for j in range(per_rank):
+            out.append(ExtraStateDef(f"{key}.mlp.experts.experts.{fc}._extra_state",
+                                     pre + ((ep_rank * per_rank + j, E),), expert=True))
+    if m.moe_shared_expert_intermediate_size:
+        out += [ExtraStateDef(f"{key}.mlp.shared_experts.{fc}._extra_state", pre)
+                for fc in ("linear_fc1", "linear_fc2")]
+    return out

@@ -61,12 +61,15 @@ def parse_layout(text: str) -> tuple[str, ...]:
     return stages
 
 
-def layout_problem(stages: tuple[str, ...], pp: int, num_layers: int) -> str | None:
-    """Why megatron-core 0.16.1 refuses these layout stages for ``pp`` and ``num_layers``
-    (``PipelineParallelLayerLayout.__init__`` and ``validate_layer_layout``), or None.
+def layout_problem(stages: tuple[str, ...], pp: int, num_layers: int,
+                   mtp_num_layers: int | None = None) -> str | None:
+    """Why megatron-core 0.16.1 refuses these layout stages for ``pp``, ``num_layers`` and
+    ``mtp_num_layers`` (``PipelineParallelLayerLayout.__init__`` and ``validate_layer_layout``,
+    pipeline_parallel_layer_layout.py:85-150), or None.
 
-    The model has no MTP layers (DynaTrain does not model ``mtp_num_layers``), so any ``m``
-    is refused, as megatron does when the counts differ.
+    One more than megatron: the MTP layers must sit on the last pipeline rank. Elsewhere
+    (megatron's ``mtp_standalone``) their stage's embedding copy is outside the default
+    embedding group, which only Megatron-LM's own ``get_embedding_ranks`` may widen.
     """
     if len(stages) % pp:
         return f"has {len(stages)} stages, which must be a multiple of pp={pp}"
@@ -82,9 +85,17 @@ def layout_problem(stages: tuple[str, ...], pp: int, num_layers: int) -> str | N
         return f"must name the loss 'L' exactly once, not {flat.count('L')} times"
     if flat.count("t") != num_layers:
         return f"has {flat.count('t')} decoder layers 't' but num_layers={num_layers}"
-    if "m" in flat:
-        return ("has multi-token prediction layers 'm', but the model has none "
-                "(DynaTrain does not model mtp_num_layers yet)")
+    mtp = mtp_num_layers or 0
+    if flat.count("m") != mtp:
+        return (f"has {flat.count('m')} multi-token prediction layers 'm' but "
+                f"mtp_num_layers={mtp_num_layers}")
+    if "t" in flat[flat.find("m"):] and mtp:
+        return "must place every decoder layer 't' before the MTP layers 'm'"
+    holder = [s for s, stage in enumerate(stages) if "m" in stage]
+    if holder and (len(set(holder)) > 1 or holder[0] != len(stages) - 1):
+        return ("must put all MTP layers 'm' in the last stage of the last pipeline rank "
+                "(megatron wants them in one stage, the last virtual one of its rank; DynaTrain "
+                "does not model them on an earlier rank)")
     return None
 
 

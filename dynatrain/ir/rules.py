@@ -137,6 +137,18 @@ def _check_parallel(spec: LayoutSpec) -> None:
     _need(g % tp == 0 if g >= tp else tp % g == 0, "parallel.tp",
           f"must divide num_query_groups={g}, or be a multiple of it", tp)
     _need(m.ffn % tp == 0, "parallel.tp", f"must divide ffn_hidden_size={m.ffn}", tp)
+    if m.mtp_num_layers:  # eh_proj is column-parallel over the hidden size
+        _need(m.hidden_size % tp == 0, "parallel.tp",
+              f"must divide hidden_size={m.hidden_size} with mtp_num_layers", tp)
+    if m.mtp_num_layers and p.pp > 1:
+        # language_module.py:343 (M16) asserts on the MTP stage's unused tied output copy.
+        _need(m.untie_embeddings_and_output_weights, "model.mtp_num_layers",
+              "with pp > 1 needs untie_embeddings_and_output_weights (megatron-core's "
+              "sharded_state_dict refuses the tied output copy on the MTP stage)", m.mtp_num_layers)
+        _need(m.position_embedding_type != "learned_absolute", "model.mtp_num_layers",
+              "with pp > 1 needs a position embedding other than learned_absolute (the MTP "
+              "stage trains its own position table, which megatron-core saves under the first "
+              "stage's key: two different tensors as one)", m.mtp_num_layers)
     mp = tp * p.pp * p.cp
     _need(W % mp == 0, "world", f"size must be divisible by tp*pp*cp={mp}", W)
     dp = W // mp
@@ -246,7 +258,7 @@ def _check_layout(spec: LayoutSpec, text: str) -> None:
           f"pp={p.pp} give vpp={vpp}", p.vpp)
     _need(p.pp > 1 or vpp == 1, field, "with pp=1 must be one stage (more stages are virtual "
           "pipeline chunks, which need pp > 1)", text[:40])
-    problem = layout_problem(stages, p.pp, spec.model.num_layers)
+    problem = layout_problem(stages, p.pp, spec.model.num_layers, spec.model.mtp_num_layers)
     _need(problem is None, field, str(problem), text[:40])
 
 

@@ -62,6 +62,8 @@ class ModelConfig(_Strict):
     v_head_dim: PositiveInt = 128
     # "learnable": attention sinks, a per-head softmax_offset parameter (GPT-OSS).
     softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
+    # Multi-token prediction layers on the last pipeline stage (DeepSeek-V3: 1).
+    mtp_num_layers: Annotated[StrictInt, Field(ge=0, le=10_000)] | None = None
     num_moe_experts: Annotated[StrictInt, Field(ge=1, le=16_384)] | None = None
     moe_ffn_hidden_size: PositiveInt | None = None
     moe_router_topk: PositiveInt = 2

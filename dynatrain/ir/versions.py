@@ -42,19 +42,30 @@ class Series:
             992-1014, 1108-1114): sequential experts' biases then leave the expert buffer for
             the dense one when EP > 1. 0.19 marks them again (M19 extensions/
             transformer_engine.py:1474-1479, 1730-1735).
+        mtp_inner_name: the parameter name of an MTP layer's transformer layer (0.19 renamed it
+            ``mtp_model_layer``; its checkpoint key stays ``transformer_layer``).
+        mtp_core_attention_extra_state: 0.16's MTP block first saves its whole state dict the
+            default way (M16 transformer/multi_token_prediction.py:1150), so the TE core
+            attention of an MTP layer leaves an ``_extra_state`` object that its own
+            ``sharded_state_dict`` (vanilla softmax) does not; 0.19 starts from nothing (M19
+            multi_token_prediction.py:1866).
     """
 
     tested: str
     etp_own_expert_buffer: bool
     mla_q_proj_norm: bool
     te_cpu_init_dense_expert_bias: bool
+    mtp_inner_name: str
+    mtp_core_attention_extra_state: bool
 
 
 SERIES: dict[tuple[int, int], Series] = {
     (0, 16): Series(tested="0.16.1", etp_own_expert_buffer=False, mla_q_proj_norm=False,
-                    te_cpu_init_dense_expert_bias=True),
+                    te_cpu_init_dense_expert_bias=True, mtp_inner_name="transformer_layer",
+                    mtp_core_attention_extra_state=True),
     (0, 19): Series(tested="0.19.2", etp_own_expert_buffer=True, mla_q_proj_norm=True,
-                    te_cpu_init_dense_expert_bias=False),
+                    te_cpu_init_dense_expert_bias=False, mtp_inner_name="mtp_model_layer",
+                    mtp_core_attention_extra_state=False),
 }
 
 

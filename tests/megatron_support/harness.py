@@ -101,6 +101,7 @@ CFG_KEYS: dict[str, Any] = {
     "qk_pos_emb_head_dim": 8,
     "v_head_dim": 16,
     "softmax_type": "vanilla",  # "learnable": a per-head softmax_offset (attention sinks)
+    "mtp_num_layers": None,  # multi-token prediction, its block spec built as Megatron-LM does
     "normalization": "LayerNorm",  # megatron's default; "RMSNorm" also works
     "position_embedding_type": "rope",  # "learned_absolute" adds embedding.position_embeddings
     "seq_length": 64,  # max_sequence_length (size of learned position embeddings)
@@ -322,11 +323,28 @@ class _ParamlessCoreAttention(MegatronModule):
         raise NotImplementedError("layout-only stand-in for context-parallel core attention")
 
 
-def _replace_core_attention(spec) -> None:
+class _ParamlessTECoreAttention(_ParamlessCoreAttention):
+    """The stand-in in place of TE's core attention: like TE's (vanilla softmax) it has an
+    ``_extra_state``, the empty uint8 tensor fp8-off TE saves (TE module/base.py:1385-1389),
+    which megatron's ``TEDotProductAttention.sharded_state_dict`` leaves out (M16
+    extensions/transformer_engine.py:1436-1455) but a default state-dict walk keeps."""
+
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return {}
+
+
+def _replace_core_attention(spec, te: bool = False) -> None:
     layer_specs = spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]
     for ls in layer_specs:
         assert isinstance(ls, ModuleSpec)
-        ls.submodules.self_attention.submodules.core_attention = _ParamlessCoreAttention
+        ls.submodules.self_attention.submodules.core_attention = (
+            _ParamlessTECoreAttention if te else _ParamlessCoreAttention)
 
 
 def _transformer_config(c: dict) -> TransformerConfig:
@@ -386,6 +404,8 @@ def _transformer_config(c: dict) -> TransformerConfig:
         )
     if c["softmax_type"] != "vanilla":
         kw["softmax_type"] = c["softmax_type"]
+    if c["mtp_num_layers"]:
+        kw["mtp_num_layers"] = c["mtp_num_layers"]
     kw.update(c["transformer_config_overrides"] or {})
     if not c["multi_latent_attention"]:
         return TransformerConfig(**kw)
@@ -412,6 +432,43 @@ def _te_spec(c: dict, config: TransformerConfig, vp_stage):
         num_experts=None, moe_grouped_gemm=False, qk_layernorm=bool(c["qk_layernorm"]),
         multi_latent_attention=bool(c["multi_latent_attention"]),
     )
+
+
+def sharded_metadata(c: dict) -> dict | None:
+    """The ``metadata`` for ``sharded_state_dict``: the config's; ``{}`` instead of None with
+    MTP, where 0.16's GPTModel reads ``metadata["dp_cp_group"]`` without a default (M16
+    models/gpt/gpt_model.py:842)."""
+    md = c["sharded_state_dict_metadata"]
+    return {} if md is None and c["mtp_num_layers"] else md
+
+
+def _mtp_block_spec(c: dict, config: TransformerConfig, spec, vp_stage):
+    """The MTP block spec as Megatron-LM builds it (MT19 training/models/gpt.py:387-412): its
+    inner layer takes the spec of the model's last decoder layer, or, when this stage's MoE
+    block is empty, a whole-model layer spec (MT19 gpt.py:94-130). None off the MTP stage."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_layer_specs,
+        get_gpt_mtp_block_spec,
+    )
+
+    te = c["transformer_impl"] == "transformer_engine"
+    if isinstance(spec, TransformerBlockSubmodules) and not spec.layer_specs:
+        if te:
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+            layer = get_gpt_layer_with_transformer_engine_spec(
+                c["num_moe_experts"], bool(c["moe_grouped_gemm"]), bool(c["qk_layernorm"]),
+                bool(c["multi_latent_attention"]))
+        else:
+            layer = get_gpt_layer_local_spec(
+                c["num_moe_experts"], bool(c["moe_grouped_gemm"]), bool(c["qk_layernorm"]),
+                bool(c["multi_latent_attention"]), normalization=c["normalization"])
+    else:
+        layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=te,
+                                            normalization=c["normalization"],
+                                            vp_stage=vp_stage)[-1]
+    return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=te, vp_stage=vp_stage)
 
 
 def _build(c: dict):
@@ -450,12 +507,20 @@ def _build(c: dict):
                 multi_latent_attention=bool(c["multi_latent_attention"]),
                 normalization=c["normalization"],
             )
+        te = c["transformer_impl"] == "transformer_engine"
         if c["cp"] > 1:
-            _replace_core_attention(spec)
+            _replace_core_attention(spec, te)
+        mtp = _mtp_block_spec(c, config, spec, vp_stage) if c["mtp_num_layers"] else None
+        if mtp is not None and c["cp"] > 1:
+            for layer_spec in mtp.layer_specs:  # 0.19 renamed the MTP layer's inner layer
+                sub = layer_spec.submodules
+                _replace_core_attention(getattr(sub, "mtp_model_layer", None)
+                                        or sub.transformer_layer, te)
         gpts.append(
             GPTModel(
                 config=config,
                 transformer_layer_spec=spec,
+                mtp_block_spec=mtp,
                 vocab_size=c["padded_vocab_size"],
                 max_sequence_length=c["seq_length"],
                 pre_process=pre,
@@ -537,7 +602,7 @@ def _build_and_extract(rank: int, c: dict) -> dict:
             "post_process": bool(gpt.post_process),
             "layer_numbers": [int(layer.layer_number) for layer in gpt.decoder.layers],
         })
-        sd = gpt.sharded_state_dict(metadata=c["sharded_state_dict_metadata"])
+        sd = gpt.sharded_state_dict(metadata=sharded_metadata(c))
         # Collect params/buffers after sharded_state_dict (it may re-materialise fp32 buffers).
         named_p = list(gpt.named_parameters())
         named_b = [(n, b) for n, b in gpt.named_buffers() if b is not None]

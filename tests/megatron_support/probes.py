@@ -87,7 +87,9 @@ def _dist_opts(optimizer) -> list[DistributedOptimizer]:
 
 
 def _model_sharded_state_dict(ctx: ProbeContext) -> dict:
-    md = ctx.c["sharded_state_dict_metadata"]
+    from megatron_support.harness import sharded_metadata  # (imports probes)
+
+    md = sharded_metadata(ctx.c)
     if len(ctx.gpts) == 1:
         return ctx.gpts[0].sharded_state_dict(metadata=md)
     return {f"model{i}": g.sharded_state_dict(metadata=md) for i, g in enumerate(ctx.gpts)}

@@ -123,7 +123,9 @@ def _te_objects(ctx) -> list[dict]:
                 "data_numel": int(data.numel()) if hasattr(data, "numel") else None,
             })
 
-    md = ctx.c["sharded_state_dict_metadata"]
+    from megatron_support.harness import sharded_metadata
+
+    md = sharded_metadata(ctx.c)
     for ci, gpt in enumerate(ctx.gpts):
         walk(gpt.sharded_state_dict(metadata=md), ci, "")
     return {"objects": out, "reload": _reload_extra_state(ctx)}

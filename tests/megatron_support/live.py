@@ -58,7 +58,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
-from .harness import _resolve_cfg, _te_spec, _transformer_config
+from .harness import (_mtp_block_spec, _resolve_cfg, _te_spec, _transformer_config,
+                      sharded_metadata)
 from .probes import _may_have_children
 from dynatrain.runtime.megatron.cpu import cpu_shim
 
@@ -203,9 +204,13 @@ def build(c: dict, seed: int | None = None) -> Job:
         else:
             spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False,
                                             qk_layernorm=bool(c["qk_layernorm"]),
+                                            multi_latent_attention=bool(
+                                                c["multi_latent_attention"]),
                                             normalization=c["normalization"])
+        mtp = _mtp_block_spec(c, config, spec, vp) if c["mtp_num_layers"] else None
         gpts.append(GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=c["padded_vocab_size"],
+            config=config, transformer_layer_spec=spec, mtp_block_spec=mtp,
+            vocab_size=c["padded_vocab_size"],
             max_sequence_length=c["seq_length"],
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -270,7 +275,8 @@ def train_step(job: Job, it: int) -> list[float]:
 
 
 def _model_sd(job: Job) -> dict:
-    return {f"model{i}": g.sharded_state_dict() for i, g in enumerate(job.gpts)}
+    md = sharded_metadata(job.c)
+    return {f"model{i}": g.sharded_state_dict(metadata=md) for i, g in enumerate(job.gpts)}
 
 
 _SD_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}

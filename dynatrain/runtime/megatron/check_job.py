@@ -150,7 +150,9 @@ def _check_sharded(layout: Layout, rank: int, modules: list, names: list) -> int
                           f"passed {len(modules)}")
     got: dict[tuple, tuple[Any, int]] = {}
     for vp, i in chunk_of.items():
-        for sh in _leaves(modules[i].sharded_state_dict()):
+        # An empty metadata, not None: 0.16's GPTModel reads metadata["dp_cp_group"] on an
+        # MTP stage without a default (M16 models/gpt/gpt_model.py:842).
+        for sh in _leaves(modules[i].sharded_state_dict(metadata={})):
             got[(vp, sh.key, tuple(_ints(sh.global_offset)))] = (sh, i)
     for k, f in want.items():  # in the IR's order: the first differing parameter
         what = f.get("param_name") or f.get("buffer_name")

@@ -71,6 +71,10 @@ HEADLINE: tuple[tuple[str, str, str, bool], ...] = (
      "qwen3-235b-a22b/tp4-pp8-ep8-192gpu", False),
     ("405B dp32->dp24", "llama3.1-405b/tp8-pp16-dp32-4096gpu",
      "llama3.1-405b/tp8-pp16-dp24-3072gpu", True),
+    ("DeepSeek-V3 ep64->ep32 512gpu", "deepseek-v3/tp2-pp8-ep64-1024gpu",
+     "deepseek-v3/tp2-pp8-ep32-512gpu", False),
+    ("GPT-OSS-120B dp16->dp12 96gpu", "gpt-oss-120b/tp2-pp4-ep8-128gpu",
+     "gpt-oss-120b/tp2-pp4-ep8-96gpu", False),
 )
 SCALING_MODEL = "llama3.1-70b"
 SCALING_WORLDS = tuple(64 << i for i in range(8))  # 64 .. 8192
@@ -256,8 +260,9 @@ def headline_row(label: str, src_name: str, dst_name: str) -> dict[str, Any]:
     )
 
 
-def run_headline(quick: bool) -> list[dict[str, Any]]:
-    rows = [headline_row(label, a, b) for label, a, b, slow in HEADLINE if not (quick and slow)]
+def run_headline(quick: bool, only: str | None = None) -> list[dict[str, Any]]:
+    rows = [headline_row(label, a, b) for label, a, b, slow in HEADLINE
+            if not (quick and slow) and (only is None or only in label)]
     print_table(
         f"1. Headline transitions (budget 2 GiB/device, H100 topology; best of "
         f"{HEADLINE_REPEATS} cold runs)",
@@ -742,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-max", type=int, default=SERIES_GLOBAL_MAX,
                     help=f"405B series: plan globally only up to this many GPUs "
                          f"(default {SERIES_GLOBAL_MAX})")
+    ap.add_argument("--only", metavar="TEXT",
+                    help="only the headline transitions whose label contains TEXT (no scaling, "
+                         "DCP, slices or series)")
     ap.add_argument("--slice-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.slice_child:  # one slice in this fresh process (run_series), JSON in and out
@@ -750,7 +758,11 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     result: dict[str, Any] = dict(environment=environment(args.quick))
-    result["headline"] = run_headline(args.quick)
+    result["headline"] = run_headline(args.quick, args.only)
+    if args.only is not None:
+        if not result["headline"]:
+            ap.error(f"--only: no headline transition's label contains {args.only!r}")
+        return _write(result, args.out, t0)
     result["scaling"] = run_scaling(args.quick)
     dcp = run_dcp(args.quick)
     result["dcp"] = dcp["rows"]
@@ -758,15 +770,18 @@ def main(argv: list[str] | None = None) -> int:
     result["slices"] = run_slices(result["headline"], result["scaling"], args.quick)
     if not args.quick:
         result["series_405b"] = run_series(args.full, args.global_max)
+    return _write(result, args.out, t0)
+
+
+def _write(result: dict[str, Any], out: Path, t0: float) -> int:
     result["wall_seconds"] = time.perf_counter() - t0
     result["environment"]["loadavg_at_end"] = os.getloadavg()  # other load skews timings
     # ru_maxrss is KiB on Linux; peak over the whole run.
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(f"\nwall {result['wall_seconds']:.1f} s, peak RSS "
-          f"{result['peak_rss_bytes'] / GIB:.2f} GiB; wrote {args.out}")
+          f"{result['peak_rss_bytes'] / GIB:.2f} GiB; wrote {out}")
     return 0
 
 

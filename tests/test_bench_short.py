@@ -30,6 +30,7 @@ SHORT = {
     "calibrate_fixed_costs": ["--quick", "--repeats", "1", "--out"],
     "ckpt_load_bench": ["--repeat", "1", "--json"],
     "recovery_bench": ["--repeat", "1", "--out"],
+    "plan_bench": ["--only", "GPT-OSS", "--out"],  # the full bench plans 1000s of GPUs
 }
 
 
@@ -47,6 +48,11 @@ def _claims(name: str, doc: dict) -> None:
     elif name == "fingerprint_bench":
         assert doc["rows"] and all(r["bytes"] == 16 << 20 and r["new_seconds"] > 0
                                    for r in doc["rows"])
+    elif name == "plan_bench":
+        (row,) = doc["headline"]
+        assert row["verified"] and row["label"].startswith("GPT-OSS-120B")
+        assert row["bytes_moved"] == row["bytes_lower_bound"] > 0
+        assert 1.0 <= row["time_ratio"] < 1.5 and row["plan_seconds"] > 0
     elif name == "recovery_bench":
         ways = {m["way"]: m for m in doc["measured"]}
         assert sorted(ways) == ["exchange", "refill", "rollback"]

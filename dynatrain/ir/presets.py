@@ -1,6 +1,7 @@
 """Real architectures, in Megatron's argument names, selectable by name in a spec's ``model:``.
 
-Numbers are the published configurations (Llama 3.1 model card, Qwen3 and Mixtral configs).
+Numbers are the published configurations (Llama 3.1 model card; the Qwen3, Mixtral,
+DeepSeek-V3 and GPT-OSS config.json files, read the way ``hf_config.py`` reads them).
 """
 
 from __future__ import annotations
@@ -48,6 +49,31 @@ PRESETS: dict[str, dict[str, object]] = {
     "qwen3-235b-a22b": dict(
         _QWEN3_MOE, num_layers=94, hidden_size=4096, ffn_hidden_size=12288,
         num_attention_heads=64, moe_ffn_hidden_size=1536,
+    ),
+    # DeepSeek-V3 (671B): multi-latent attention, 3 dense layers then 256 routed experts
+    # (top-8, sigmoid scores with a bias) plus one shared expert, one MTP layer.
+    "deepseek-v3": dict(
+        normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True, vocab_size=129280,
+        max_position_embeddings=163840, transformer_impl="transformer_engine",
+        num_layers=61, hidden_size=7168, ffn_hidden_size=18432, num_attention_heads=128,
+        multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+        qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True,
+        num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+        moe_shared_expert_intermediate_size=2048, moe_first_dense_layers=3,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_grouped_gemm=True, mtp_num_layers=1,
+    ),
+    # GPT-OSS-120B: attention sinks, biases everywhere, 128 experts (top-4) in every layer. Its
+    # clamped GLU holds the parameters of a SwiGLU (``swiglu`` is the gated fc1 layout).
+    "gpt-oss-120b": dict(
+        normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True, vocab_size=201088,
+        max_position_embeddings=131072, transformer_impl="transformer_engine",
+        num_layers=36, hidden_size=2880, ffn_hidden_size=2880, num_attention_heads=64,
+        num_query_groups=8, kv_channels=64, add_bias_linear=True, softmax_type="learnable",
+        num_moe_experts=128, moe_router_topk=4, moe_ffn_hidden_size=2880,
+        moe_grouped_gemm=True,
     ),
     "mixtral-8x22b": dict(
         normalization="RMSNorm", swiglu=True, position_embedding_type="rope",

@@ -436,10 +436,41 @@ def test_hf_qwen3_moe_sparse_step_and_dense_layers() -> None:
 def test_hf_unknown_architecture_refused() -> None:
     cfg = json.loads((HF / "llama3.1-8b.json").read_text())
     with pytest.raises(SpecError) as err:
-        model_from_hf_config({**cfg, "architectures": ["DeepseekV3ForCausalLM"]})
+        model_from_hf_config({**cfg, "architectures": ["FalconForCausalLM"]})
     assert str(err.value).startswith("config.architectures: is not supported by DynaTrain yet; "
                                      "known: LlamaForCausalLM")
     assert "\n" not in str(err.value)
+    with pytest.raises(SpecError) as err:  # known, and refused with its reason
+        model_from_hf_config({**cfg, "architectures": ["Qwen3NextForCausalLM"]})
+    assert str(err.value).startswith("config.architectures: Qwen3NextForCausalLM is not "
+                                     "supported by DynaTrain: its Gated DeltaNet")
+
+
+def test_hf_deepseek_family() -> None:
+    """Kimi-K2 (DeepSeek-V3's architecture: 384 experts, one dense layer, no MTP layer) and
+    DeepSeek-V2-Lite (no q low-rank projection, softmax routing without a bias, every other
+    layer sparse) read into MLA specs that compile."""
+    v3 = json.loads((HF / "deepseek-v3.json").read_text())
+    kimi = model_from_hf_config({**v3, "model_type": "kimi_k2", "n_routed_experts": 384,
+                                 "first_k_dense_replace": 1, "num_attention_heads": 64,
+                                 "num_key_value_heads": 64, "num_nextn_predict_layers": 0,
+                                 "vocab_size": 163840})
+    assert (kimi["num_moe_experts"], kimi["moe_first_dense_layers"], kimi["num_attention_heads"],
+            "mtp_num_layers" in kimi) == (384, 1, 64, False)
+    lite_cfg = {**v3, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                "q_lora_rank": None, "num_hidden_layers": 4, "first_k_dense_replace": 1,
+                "moe_layer_freq": 2, "scoring_func": "softmax", "topk_method": "greedy",
+                "num_nextn_predict_layers": None}
+    lite = model_from_hf_config(lite_cfg)
+    assert (lite["q_lora_rank"], lite["moe_layer_freq"], lite["moe_router_score_function"],
+            lite["moe_router_enable_expert_bias"]) == (None, [0, 0, 1, 0], "softmax", False)
+    spec = spec_from_hf_config(lite_cfg, {"tp": 2, "ep": 2}, {"nodes": 1, "gpus_per_node": 4})
+    assert spec.model.multi_latent_attention and spec.model.transformer_impl == \
+        "transformer_engine"
+    with pytest.raises(SpecError) as err:
+        model_from_hf_config({**v3, "attention_bias": True})
+    assert str(err.value).startswith("config.attention_bias: is not supported by DynaTrain yet "
+                                     "(megatron's MLA projections have no biases)")
 
 
 def test_hf_refusals_and_unknown_keys() -> None:

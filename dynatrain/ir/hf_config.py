@@ -1,10 +1,12 @@
-"""A spec's ``model`` from a HuggingFace ``config.json`` (Llama, Qwen3, Qwen3-MoE, Mixtral).
+"""A spec's ``model`` from a HuggingFace ``config.json`` (Llama, Qwen3, Qwen3-MoE, Mixtral,
+DeepSeek-V2/V3 and Kimi-K2, GPT-OSS).
 
 ``model_from_hf_config(config)`` gives the mapping of Megatron argument names that a spec's
 ``model:`` takes, the way Megatron-Bridge-style converters set a Megatron GPT model up from those
-checkpoints: RMSNorm, SwiGLU, RoPE, no linear biases, one KV group per KV head. Keys that change
-the parameters are read (``HF_MAPPED``) or refused when set to something Megatron's local GPT
-layers do not build; keys with no effect on the parameters (rope settings, norm epsilon, token
+checkpoints: RMSNorm, SwiGLU, RoPE, no linear biases, one KV group per KV head; DeepSeek's
+multi-latent attention, MTP layers and GPT-OSS's attention sinks with Transformer Engine layers
+(megatron builds MLA with TE only). Keys that change the parameters are read (``HF_MAPPED``) or
+refused when set to something Megatron's GPT layers do not build; keys with no effect on the parameters (rope settings, norm epsilon, token
 ids, dtype) are in ``HF_IGNORED``; anything else is listed by ``read_hf_config`` as unknown.
 Megatron training choices that a config.json does not hold (``make_vocab_size_divisible_by``)
 keep the spec's defaults.
@@ -27,19 +29,31 @@ ARCHITECTURES: dict[str, tuple[str, str | None, bool]] = {
     "Qwen3ForCausalLM": ("qwen3", None, True),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe", True),
     "MixtralForCausalLM": ("mixtral", "mixtral", False),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "deepseek", True),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseek", True),  # also Kimi-K2's
+    "GptOssForCausalLM": ("gpt_oss", "gpt_oss", False),
+}
+# Architectures refused with their reason (the others: "not supported yet; known: ...").
+REFUSED: dict[str, str] = {
+    "Qwen3NextForCausalLM": "its Gated DeltaNet linear-attention layers are not a GPT layer "
+                            "megatron-core's GPT model builds",
 }
 HF_MAPPED = frozenset("""
 architectures model_type hidden_size intermediate_size num_hidden_layers num_attention_heads
 num_key_value_heads head_dim vocab_size tie_word_embeddings max_position_embeddings hidden_act
 attention_bias mlp_bias num_experts num_local_experts num_experts_per_tok moe_intermediate_size
 decoder_sparse_step mlp_only_layers
+q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim n_routed_experts
+n_shared_experts first_k_dense_replace moe_layer_freq scoring_func topk_method
+num_nextn_predict_layers experts_per_token
 """.split())
 HF_IGNORED = frozenset("""
 _name_or_path attention_dropout bos_token_id eos_token_id pad_token_id initializer_range
 rms_norm_eps rope_theta rope_scaling rope_parameters partial_rotary_factor pretraining_tp
 use_cache torch_dtype dtype transformers_version max_window_layers sliding_window
 use_sliding_window layer_types norm_topk_prob output_router_logits router_aux_loss_coef
-router_jitter_noise
+router_jitter_noise auto_map aux_loss_alpha seq_aux ep_size n_group topk_group
+routed_scaling_factor rope_interleave quantization_config swiglu_limit initial_context_length
 """.split())
 
 
@@ -97,7 +111,15 @@ def read_hf_config(config: Mapping[str, Any]) -> HFModel:
         add_bias_linear=_biases(config, arch),
         qk_layernorm=qk_norm,
     )
-    if head_dim is None and hidden % heads:
+    if moe == "deepseek":
+        _deepseek(config, model)
+    elif moe == "gpt_oss":
+        topk = "num_experts_per_tok" if "num_experts_per_tok" in config else "experts_per_token"
+        model.update(num_moe_experts=_positive(config, "num_local_experts"),
+                     moe_router_topk=_positive(config, topk),
+                     moe_ffn_hidden_size=model["ffn_hidden_size"], softmax_type="learnable",
+                     transformer_impl="transformer_engine", moe_grouped_gemm=True)
+    if head_dim is None and hidden % heads and not model.get("multi_latent_attention"):
         raise SpecError("config.hidden_size", f"must be divisible by num_attention_heads="
                         f"{heads} (or set head_dim)", hidden)
     if moe == "mixtral":
@@ -147,6 +169,56 @@ def parse_assignments(text: str, field: str) -> dict[str, Any]:
     return out
 
 
+def _deepseek(config: Mapping[str, Any], model: dict[str, Any]) -> None:
+    """DeepSeek-V2/V3 (and Kimi-K2): MLA with its q/kv norms, shared experts, the first
+    ``first_k_dense_replace`` layers dense, sigmoid scores with a bias for ``noaux_tc`` routing
+    (its ``e_score_correction_bias``), and ``num_nextn_predict_layers`` MTP layers."""
+    if model["add_bias_linear"]:
+        raise SpecError("config.attention_bias", "is not supported by DynaTrain yet (megatron's "
+                        "MLA projections have no biases)", True)
+    q_lora = config.get("q_lora_rank")
+    model.update(
+        multi_latent_attention=True, transformer_impl="transformer_engine",
+        q_lora_rank=None if q_lora is None else _positive(config, "q_lora_rank"),
+        kv_lora_rank=_positive(config, "kv_lora_rank"),
+        qk_head_dim=_positive(config, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=_positive(config, "qk_rope_head_dim"),
+        v_head_dim=_positive(config, "v_head_dim"))
+    del model["kv_channels"], model["num_query_groups"]  # MLA has its own head sizes
+    if config.get("n_routed_experts") is None:
+        return
+    n, shared = model["num_layers"], config.get("n_shared_experts") or 0
+    moe_ffn = _positive(config, "moe_intermediate_size")
+    first = config.get("first_k_dense_replace", 0)
+    freq = _positive(config, "moe_layer_freq", 1)
+    if type(first) is not int or not 0 <= first < n:
+        raise SpecError("config.first_k_dense_replace", f"must be an integer in [0, {n})", first)
+    # HF's rule: layer i is sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0.
+    pattern = [int(i >= first and i % freq == 0) for i in range(n)]
+    scoring = config.get("scoring_func", "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        raise SpecError("config.scoring_func", "must be softmax or sigmoid", scoring)
+    mtp = config.get("num_nextn_predict_layers") or 0
+    if type(mtp) is not int or mtp < 0:
+        raise SpecError("config.num_nextn_predict_layers", "must be a non-negative integer", mtp)
+    model.update(
+        num_moe_experts=_positive(config, "n_routed_experts"),
+        moe_router_topk=_positive(config, "num_experts_per_tok"), moe_ffn_hidden_size=moe_ffn,
+        moe_router_score_function=scoring,
+        moe_router_enable_expert_bias=config.get("topk_method") == "noaux_tc",
+        moe_grouped_gemm=True)
+    if freq == 1:  # dense then sparse: Megatron's own way to say it
+        model.update(moe_layer_freq=1, moe_first_dense_layers=first)
+    else:
+        model["moe_layer_freq"] = pattern
+    if shared:
+        if type(shared) is not int or shared < 0:
+            raise SpecError("config.n_shared_experts", "must be a non-negative integer", shared)
+        model["moe_shared_expert_intermediate_size"] = shared * moe_ffn
+    if mtp:
+        model["mtp_num_layers"] = mtp
+
+
 def _architecture(config: Mapping[str, Any]) -> str:
     archs = config.get("architectures")
     if archs is None:  # older configs: fall back on model_type
@@ -154,6 +226,9 @@ def _architecture(config: Mapping[str, Any]) -> str:
         if config.get("model_type") in by_type:
             return by_type[config["model_type"]]
         archs = [config.get("model_type")]
+    if isinstance(archs, list) and len(archs) == 1 and archs[0] in REFUSED:
+        raise SpecError("config.architectures", f"{archs[0]} is not supported by DynaTrain: "
+                        f"{REFUSED[archs[0]]}", archs)
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise SpecError("config.architectures", "is not supported by DynaTrain yet; known: "
                         + ", ".join(ARCHITECTURES), archs if isinstance(archs, list) else archs)

@@ -8,7 +8,7 @@ ShardedObject (key, global shape and offset, replica id), whose data must be the
 tensor fp8-off TE saves, and which a save/load round trip through megatron leaves unchanged
 (so a switch re-initialising it, as ``ir/state.py`` does, equals megatron's reload). ``FAST``
 runs by default, with 30 random jobs using multi-latent attention or attention sinks drawn by the
-gate's strategies; all ``CASES`` (41) behind ``slow``.
+gate's strategies; all ``CASES`` (43) behind ``slow``.
 """
 
 from __future__ import annotations

@@ -20,6 +20,12 @@ Two layer specs (``model.transformer_impl``), with the same shapes, splits and (
   module/grouped_linear.py:1738-1770), saved under the SequentialMLP keys, one expert index
   each (M16 extensions/transformer_engine.py:1738-1799). Core attention holds no parameter
   (vanilla softmax). ``parallel.sequence_parallel`` only sets TP attributes, so it is no input.
+
+Newer attention and heads: multi-latent attention (TE only; its own input norm, whole down
+projections, norms fused into the up projections, ``mla_modules``); attention sinks (a per-head
+``softmax_offset`` registered before ``linear_proj``); MTP layers after the final norm of the
+last stage, each a norm pair, ``eh_proj``, one transformer layer and a final norm, with that
+stage's own embedding copy. Where versions differ, ``versions.Series`` says how.
 """
 
 from __future__ import annotations

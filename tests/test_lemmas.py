@@ -57,7 +57,10 @@ def test_prove_all_is_fast() -> None:
     assert total < TOTAL_BUDGET_S
 
 
-def test_timeout_is_not_a_proof() -> None:
+def test_timeout_is_not_a_proof(monkeypatch: pytest.MonkeyPatch) -> None:
+    """z3's "unknown" (what a timeout gives) proves nothing. Simulated: a real 1 ms timeout is
+    soft, and z3 sometimes finishes this proof inside it anyway (seen once in a full run)."""
+    monkeypatch.setattr(L, "_check", lambda goal, timeout_ms: (z3.unknown, None))
     r = L.prove("flat_boxes_2d", timeout_ms=1)
     assert not r.proved and r.counterexample is None
 

@@ -118,8 +118,9 @@ def chunk_params(
             key, lpre = f"decoder.layers.{layer}", ()
         _layer(params, buffers, m, ep, ep_rank, f"decoder.layers.{local}", key, lpre,
                moe[layer], ver.mla_q_proj_norm)
-    if post:
+    if has_final_norm(m, layers, post):
         params.extend(_norm(m, "decoder.final_layernorm", "decoder.final_layernorm", (), H))
+    if post:
         if mtp:
             for k in range(m.mtp_num_layers or 0):
                 _mtp_layer(params, buffers, m, ep, ep_rank, k, bool(layers), ver)
@@ -153,6 +154,13 @@ def _linear(name: str, key: str, out_f: int, in_f: int, pre: tuple, split: TPSpl
         return [w]
     b_split = TPSplit(0, split.group, glu=split.glu) if (bias_split and split) else None
     return [w, ParamDef(f"{name}.bias", f"{key}.bias", (out_f,), pre, b_split, expert)]
+
+
+def has_final_norm(m: ModelConfig, layers: tuple[int, ...], post: bool) -> bool:
+    """Whether a chunk builds the decoder's final norm: the last stage does; with MTP, the chunk
+    holding the last decoder layer, wherever it is (M16 transformer/transformer_block.py:
+    390-417)."""
+    return (m.num_layers - 1) in layers if m.mtp_num_layers else post
 
 
 def mtp_inner_moe(m: ModelConfig, stage_has_layers: bool) -> bool:
@@ -356,8 +364,9 @@ def chunk_extra_states(m: ModelConfig, ep: int, ep_rank: int, layers: tuple[int,
         else:
             key, pre = f"decoder.layers.{layer}", ()
         out += _layer_extra_states(m, ep, ep_rank, key, pre, moe[layer], ver.mla_q_proj_norm)
-    if post:
+    if has_final_norm(m, layers, post):
         out.append(ExtraStateDef("decoder.final_layernorm._extra_state"))
+    if post:
         for k in range(m.mtp_num_layers or 0):  # in MTP layer order: norms, projection, layer
             key = f"mtp.layers.{k}"
             out += [ExtraStateDef(f"{key}.{mod}._extra_state")

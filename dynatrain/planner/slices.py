@@ -228,7 +228,8 @@ def _stage_leads(layout: Layout, pp: int, ep: int) -> dict[str, np.ndarray | Non
     the stage's layer indices are put in front (``stage_leads_exact`` reads every layer;
     a test checks that both agree)."""
     m, p = layout.model, layout.parallel
-    if not m.homogeneous_layers:
+    # With MTP the final norm sits with the last decoder layer, not with the stage's edges.
+    if not m.homogeneous_layers or m.mtp_num_layers:
         return stage_leads_exact(layout, pp, ep)
     leads: dict[str, set[tuple[int, ...]] | None] = {}
     moe = m.moe_pattern()

@@ -184,6 +184,28 @@ def test_before_the_first_step_adam_starts_from_zero() -> None:
         assert res["diffs"] == [], res["diffs"][:5]
 
 
+def test_precision_aware_optimizer_refused_not_read_as_zeros() -> None:
+    """A job whose optimizer config says precision-aware (TE FusedAdam keeps its moments under
+    the bf16 shard, which torch Adam's reading would miss) is refused in one line."""
+    cfg = CASES["tp2-dp2-gqa-swiglu"]
+    view = view_of(Layout(to_spec(cfg)))
+    c = live.resolve(to_harness_cfg(cfg))
+
+    def work(rank: int) -> str:
+        live.init_parallel(c)
+        job = live.build(c)
+        for opt in getattr(job.optimizer, "chained_optimizers", [job.optimizer]):
+            opt.config.use_precision_aware_optimizer = True
+        try:
+            extract_state(view, rank, job.ddps, job.optimizer)
+        except LayoutError as err:
+            return str(err)
+        return ""
+
+    for msg in live.run_workers(work, cfg["world"]):
+        assert "precision-aware optimizer" in msg and "\n" not in msg
+
+
 def test_install_refuses_a_storage_of_another_layout_before_touching_the_job() -> None:
     """The storage is checked against the layout before the job is even looked at."""
     view = view_of(Layout(to_spec(CASES["tp2-dp2-gqa-swiglu"])))

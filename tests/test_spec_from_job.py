@@ -180,6 +180,7 @@ def test_moe_layer_freq_pattern_string() -> None:
     ("moe_use_legacy_grouped_gemm", True),
     ("fp8", "hybrid"),
     ("mla_down_proj_fusion", True),
+    ("use_precision_aware_optimizer", True),
     # megatron-core 0.19 / Megatron-LM 0.19 names that change the layout.
     ("hybrid_layer_pattern", "M*-M*-"),
     ("freeze_all_layers", True),

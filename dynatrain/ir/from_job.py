@@ -702,6 +702,13 @@ def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:
         raise SpecError(label("moe_router_load_balancing_type"), "is not supported by "
                         "DynaTrain yet (quantile balancing: its router bias qb_beta is state "
                         "DynaTrain does not model)", _plain(balancing))
+    if a["use_precision_aware_optimizer"]:
+        # TE FusedAdam keys its moments by the bf16 shard and keeps its own master param (M16
+        # optimizer/distrib_optimizer.py:440-449, 883-934); the runtime bridge reads torch
+        # Adam's state, so it would carry zeros. Refused until it reads FusedAdam's.
+        raise SpecError(label("use_precision_aware_optimizer"), "is not supported by DynaTrain "
+                        "yet (TE FusedAdam's state: master params and moments of other dtypes)",
+                        True)
     if a["optimizer"] != "adam":
         raise SpecError("optimizer", "is not supported by DynaTrain yet (only adam's state is "
                         "modelled)", a["optimizer"])

@@ -109,6 +109,13 @@ def _bind(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
             b.buffers[(vp, d.name)] = (module.get_submodule(owner), attr)
     if len(view.kinds) > 1:
         b.optimizers = _leaf_optimizers(optimizer)
+        for opt in b.optimizers:
+            # TE FusedAdam then keys its moments by the bf16 shard and keeps the master param
+            # in its own state (M16 optimizer/distrib_optimizer.py:440-449, 883-934): reading
+            # them as torch Adam's would give zeros, silently.
+            if getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False):
+                raise LayoutError(f"rank {rank}: the job runs the precision-aware optimizer "
+                                  "(TE FusedAdam state), which DynaTrain does not read yet")
         if L.parallel.use_distributed_optimizer:
             _bind_distributed(L, rank, b, where)
         else:

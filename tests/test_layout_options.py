@@ -297,6 +297,27 @@ def test_mtp_layouts_refused_as_megatron_does(text: str, rule: str) -> None:
         PipelineParallelLayerLayout(text, 2).validate_layer_layout(4, 1)
 
 
+def test_mtp_layer_kind_follows_its_stage_in_megatron_lm() -> None:
+    """Megatron-LM builds an MoE model's MTP layer from the last decoder layer's spec, but from
+    an MoE spec when the MTP stage holds no decoder layer: with a dense last layer the model
+    changes with the layout, which the rules refuse."""
+    moe = dict(MTP, num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[1, 1, 1, 0])
+    empty = case("mtp-empty-last", 2, pp=2, num_layers=4, pipeline_model_parallel_layout=
+                 "Ett|tt||mL", **moe)
+    # (the harness input by hand: to_harness_cfg would validate the refused spec)
+    cfg = dict(to_harness_cfg(case("mtp-vpp2", 2, pp=2, vpp=2, num_layers=4, **moe)),
+               transformer_config_overrides={"pipeline_model_parallel_layout": "Ett|tt||mL"})
+    real = harness.megatron_facts(cfg, 2)
+    assert any(p["name"].startswith("mtp.layers.0.") and ".mlp.experts." in p["name"]
+               for p in real[1]["named_parameters"])
+    with pytest.raises(SpecError) as err:
+        to_spec(empty)
+    assert err.value.field == "model.mtp_num_layers" and "dense" in str(err.value)
+    held = to_spec(case("mtp-last-held", 2, pp=2, num_layers=4, **moe))  # the last layer: dense
+    assert not any("mtp" in d.name and "experts" in d.name
+                   for d in Layout(held).chunk_defs(1, 0)[0][0])
+
+
 def test_standalone_mtp_refused_by_name() -> None:
     """MTP on a rank before the last is megatron's ``mtp_standalone``; DynaTrain refuses it
     (its embedding copy is outside the default embedding group)."""

@@ -16,6 +16,7 @@ from .pipeline import (
     layout_problem,
     parse_layout,
     split_problem,
+    stage_layers,
 )
 from .spec import LayoutSpec
 
@@ -45,6 +46,7 @@ def check_rules(spec: LayoutSpec) -> None:
     _check_world(spec)
     _check_parallel(spec)
     _check_pipeline(spec)
+    _check_mtp_stage(spec)
     _check_state(spec)
 
 
@@ -233,6 +235,20 @@ def _check_same_pp_groups(spec: LayoutSpec, dp: int, edp: int) -> None:
         _need(d == e, "parallel.order", f"gives rank {rank} the pipeline group {list(d)} in the "
               f"dense grid but {list(e)} in the expert grid; megatron-core requires them equal",
               p.order)
+
+
+def _check_mtp_stage(spec: LayoutSpec) -> None:
+    """An MTP layer takes the spec of the model's last decoder layer, unless its stage builds no
+    decoder layer: then Megatron-LM gives an MoE model's MTP layer an MoE spec (MT19 training/
+    models/gpt.py:94-130, 387-412). With a dense last layer the model would then change with
+    the layout, so that layout is refused."""
+    m, p = spec.model, spec.parallel
+    if not (m.mtp_num_layers and m.num_moe_experts) or m.moe_pattern()[-1]:
+        return
+    last = stage_layers(pipeline_split(spec))[p.pp - 1][-1]
+    _need(bool(last), "model.mtp_num_layers", "needs a decoder layer on the last stage "
+          "when the last decoder layer is dense (Megatron-LM builds an MTP layer without one "
+          "as an MoE layer: another model)", m.mtp_num_layers)
 
 
 def _check_layout(spec: LayoutSpec, text: str) -> None:

@@ -160,16 +160,26 @@ def test_extract_matches_megatron_and_install_round_trips(name: str) -> None:
         assert all("local shape" in r["wrong"] for r in results), [r["wrong"] for r in results]
 
 
-def test_before_the_first_step_adam_starts_from_zero() -> None:
-    """A job that has not stepped yet has no Adam state: extract gives zero moments and step 0,
-    and a fresh job installed from it trains its first step exactly like the original."""
-    cfg = CASES["tp2-dp2-gqa-swiglu"]
+def _fresh_job(name: str):
+    """The case, its state view and harness config, and ``build()``: this rank's fresh job."""
+    cfg = CASES[name]
     view = view_of(Layout(to_spec(cfg)))
     c = live.resolve(to_harness_cfg(cfg))
 
-    def work(rank: int) -> dict:
+    def build() -> live.Job:
         live.init_parallel(c)
-        job = live.build(c)
+        return live.build(c)
+
+    return cfg, view, c, build
+
+
+def test_before_the_first_step_adam_starts_from_zero() -> None:
+    """A job that has not stepped yet has no Adam state: extract gives zero moments and step 0,
+    and a fresh job installed from it trains its first step exactly like the original."""
+    cfg, view, c, build = _fresh_job("tp2-dp2-gqa-swiglu")
+
+    def work(rank: int) -> dict:
+        job = build()
         store = extract_state(view, rank, job.ddps, job.optimizer)
         zero = all(not store[k].any() for k in store if k[0] in ("exp_avg", "exp_avg_sq"))
         fresh = live.build(c, seed=c["seed"] + 17)
@@ -187,13 +197,10 @@ def test_before_the_first_step_adam_starts_from_zero() -> None:
 def test_precision_aware_optimizer_refused_not_read_as_zeros() -> None:
     """A job whose optimizer config says precision-aware (TE FusedAdam keeps its moments under
     the bf16 shard, which torch Adam's reading would miss) is refused in one line."""
-    cfg = CASES["tp2-dp2-gqa-swiglu"]
-    view = view_of(Layout(to_spec(cfg)))
-    c = live.resolve(to_harness_cfg(cfg))
+    cfg, view, _, build = _fresh_job("tp2-dp2-gqa-swiglu")
 
     def work(rank: int) -> str:
-        live.init_parallel(c)
-        job = live.build(c)
+        job = build()
         for opt in getattr(job.optimizer, "chained_optimizers", [job.optimizer]):
             opt.config.use_precision_aware_optimizer = True
         try:

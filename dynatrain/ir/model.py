@@ -112,22 +112,16 @@ def chunk_params(
     moe = m.moe_pattern()
     ver = series(megatron_core)
     for local, layer in enumerate(layers):
-        if m.homogeneous_layers:
-            key, lpre = "decoder.layers", ((layer, m.num_layers),)
-        else:
-            key, lpre = f"decoder.layers.{layer}", ()
-        _layer(params, buffers, m, ep, ep_rank, f"decoder.layers.{local}", key, lpre,
-               moe[layer], ver.mla_q_proj_norm)
+        _layer(params, buffers, m, ep, ep_rank, f"decoder.layers.{local}",
+               *_layer_key(m, layer), moe[layer], ver.mla_q_proj_norm)
     if has_final_norm(m, layers, post):
         params.extend(_norm(m, "decoder.final_layernorm", "decoder.final_layernorm", (), H))
-    if post:
-        if mtp:
-            for k in range(m.mtp_num_layers or 0):
-                _mtp_layer(params, buffers, m, ep, ep_rank, k, bool(layers), ver)
-        if not tied or not pre:
-            key = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
-            params.append(ParamDef("output_layer.weight", key, (vp, H), split=vocab_split,
-                                   tied_copy=tied, shared_embedding=tied))
+    for k in range(m.mtp_num_layers if mtp else 0):
+        _mtp_layer(params, buffers, m, ep, ep_rank, k, ver)
+    if post and (not tied or not pre):
+        key = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+        params.append(ParamDef("output_layer.weight", key, (vp, H), split=vocab_split,
+                               tied_copy=tied, shared_embedding=tied))
     return tuple(params), tuple(buffers)
 
 
@@ -163,17 +157,22 @@ def has_final_norm(m: ModelConfig, layers: tuple[int, ...], post: bool) -> bool:
     return (m.num_layers - 1) in layers if m.mtp_num_layers else post
 
 
-def mtp_inner_moe(m: ModelConfig, stage_has_layers: bool) -> bool:
+def _layer_key(m: ModelConfig, layer: int) -> tuple[str, tuple]:
+    """Decoder layer ``layer``'s checkpoint key and leading layer axis (stacked or not)."""
+    if m.homogeneous_layers:
+        return "decoder.layers", ((layer, m.num_layers),)
+    return f"decoder.layers.{layer}", ()
+
+
+def mtp_inner_moe(m: ModelConfig) -> bool:
     """Whether an MTP layer's transformer layer is an MoE layer: Megatron-LM gives it the spec
-    of the model's last decoder layer, or an MoE layer spec when the MTP stage of an MoE model
-    builds no decoder layer (MT19 training/models/gpt.py:94-130, 387-412)."""
-    if not m.num_moe_experts:
-        return False
-    return m.moe_pattern()[-1] or not stage_has_layers
+    of the model's last decoder layer (MT19 training/models/gpt.py:387-412). (Its MoE spec for
+    an MTP stage without decoder layers differs only where the rules refuse the layout.)"""
+    return bool(m.num_moe_experts) and m.moe_pattern()[-1]
 
 
 def _mtp_layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep: int,
-               ep_rank: int, k: int, stage_has_layers: bool, ver) -> None:
+               ep_rank: int, k: int, ver) -> None:
     """MTP layer ``k``: norms of the embedding and of the hidden state, their joint projection,
     one transformer layer and a final norm, each under its own, never stacked, key (M16
     transformer/multi_token_prediction.py:632-678, 1151-1162). 0.19 names the inner layer
@@ -185,7 +184,7 @@ def _mtp_layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig,
     params += _linear(f"{name}.eh_proj", f"{key}.eh_proj", H, 2 * H, (), TPSplit(0, "tp"),
                       False, False)
     _layer(params, buffers, m, ep, ep_rank, f"{name}.{ver.mtp_inner_name}",
-           f"{key}.transformer_layer", (), mtp_inner_moe(m, stage_has_layers),
+           f"{key}.transformer_layer", (), mtp_inner_moe(m),
            ver.mla_q_proj_norm)
     params += _norm(m, f"{name}.final_layernorm", f"{key}.final_layernorm", (), H)
 
@@ -359,11 +358,8 @@ def chunk_extra_states(m: ModelConfig, ep: int, ep_rank: int, layers: tuple[int,
     moe = m.moe_pattern()
     ver = series(megatron_core)
     for layer in layers:
-        if m.homogeneous_layers:
-            key, pre = "decoder.layers", ((layer, m.num_layers),)
-        else:
-            key, pre = f"decoder.layers.{layer}", ()
-        out += _layer_extra_states(m, ep, ep_rank, key, pre, moe[layer], ver.mla_q_proj_norm)
+        out += _layer_extra_states(m, ep, ep_rank, *_layer_key(m, layer), moe[layer],
+                                   ver.mla_q_proj_norm)
     if has_final_norm(m, layers, post):
         out.append(ExtraStateDef("decoder.final_layernorm._extra_state"))
     if post:
@@ -372,7 +368,7 @@ def chunk_extra_states(m: ModelConfig, ep: int, ep_rank: int, layers: tuple[int,
             out += [ExtraStateDef(f"{key}.{mod}._extra_state")
                     for mod in ("enorm", "hnorm", "eh_proj")]
             inner = _layer_extra_states(m, ep, ep_rank, f"{key}.transformer_layer", (),
-                                        mtp_inner_moe(m, bool(layers)), ver.mla_q_proj_norm)
+                                        mtp_inner_moe(m), ver.mla_q_proj_norm)
             core = ExtraStateDef(f"{key}.transformer_layer.self_attention.core_attention"
                                  "._extra_state")
             if ver.mtp_core_attention_extra_state and core not in inner:

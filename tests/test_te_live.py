@@ -28,6 +28,7 @@ from dynatrain.ir.layout import Layout
 pytest.importorskip("megatron.core")
 te_live = pytest.importorskip("megatron_support.te_live")
 
+FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
 BIAS = {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}
 G = {"moe_grouped_gemm": True}
 DSV3 = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16,
@@ -65,6 +66,8 @@ def test_te_live_switch_equals_megatron_checkpoint_reload(name: str) -> None:
         # Really TE builds on both sides (stand-in modules), and really the destination layout.
         assert res["te_modules_a"] > 0 and res["te_modules_b"] > 0, rank
         assert (res["tp_after"], res["pp_after"], res["ep_after"]) == dst_sizes, rank
+        # megatron runs TE's FusedAdam (step per param group), as it does with TE installed.
+        assert res["adam"] == [FUSED_ADAM], (rank, res["adam"])
         assert res["iteration"] == [3, 3], rank
         assert res["n_state"] > 0 and res["n_extra_state"] > 0, rank
         # Megatron's reload leaves exactly TE core attention's extra state (not in its

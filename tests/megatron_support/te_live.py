@@ -105,6 +105,7 @@ def _run(cfg_a: dict, cfg_b: dict) -> list[dict]:
             live.init_parallel(configs[id(spec_a)])
             job = build(spec_a)
             out["te_modules_a"] = _te_module_count(as_live(job))
+            out["adam"] = _adam_classes(job.optimizer)
             for _ in range(2):
                 train(job)
             sw = LiveSwitcher(spec_a, devices[rank], build, check, timeout=60)
@@ -137,6 +138,14 @@ def _run(cfg_a: dict, cfg_b: dict) -> list[dict]:
             return out
 
         return live.run_workers(work, len(devices), timeout=240)
+
+
+def _adam_classes(optimizer) -> list[str]:
+    """The inner optimizers' classes: megatron-core takes TE's FusedAdam whenever TE imports
+    (M16 optimizer/__init__.py:12-34), here the stand-in's."""
+    leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return sorted({f"{type(o.optimizer).__module__}.{type(o.optimizer).__name__}"
+                   for o in leaves})
 
 
 def _te_module_count(job) -> int:

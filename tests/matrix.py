@@ -19,8 +19,11 @@ _MODEL_KEYS = {
     "max_position_embeddings", "moe_shared_expert_gate", "moe_router_score_function",
     "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
     "qk_pos_emb_head_dim", "v_head_dim", "softmax_type", "transformer_impl", "moe_grouped_gemm",
-    "mtp_num_layers",
+    "mtp_num_layers", "fp8", "fp8_recipe", "fp8_amax_history_len",
 }
+# TransformerConfig fields the harness sets by override (fp8_amax_compute_algo: harness only,
+# it changes no state's shape).
+_FP8_KEYS = ("fp8", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo")
 _PARALLEL_KEYS = {
     "tp", "pp", "vpp", "cp", "ep", "etp", "decoder_first_pipeline_num_layers",
     "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
@@ -159,7 +162,7 @@ def to_harness_cfg(cfg: dict) -> dict:
     # Spell out DynaTrain's defaults (Megatron's own) so both sides build the same model.
     out.setdefault("position_embedding_type", "learned_absolute")
     out.setdefault("normalization", "LayerNorm")
-    overrides: dict = {}
+    overrides: dict = {k: out.pop(k) for k in _FP8_KEYS if k in out}
     if out.pop("moe_shared_expert_gate", False):
         overrides["moe_shared_expert_gate"] = True
     if (text := out.pop("pipeline_model_parallel_layout", None)) is not None:

@@ -29,6 +29,8 @@ pytest.importorskip("megatron.core")
 te_live = pytest.importorskip("megatron_support.te_live")
 
 FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
+FP8 = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=3,
+           fp8_amax_compute_algo="max")
 BIAS = {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}
 G = {"moe_grouped_gemm": True}
 DSV3 = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16,
@@ -46,6 +48,12 @@ SWITCHES = {
         case("te-live-moe-a", 4, ep=2, swiglu=True, vocab_size=200, **BIAS, **MOE, **G),
         case("te-live-moe-b", 4, ep=4, swiglu=True, vocab_size=200, **BIAS, **MOE, **G),
         (1, 1, 4)),
+    # fp8 with delayed scaling: every TE GEMM's scales and amax histories move with it.
+    "fp8-delayed-tp2-dp2->pp2-dp2": (
+        case("te-live-fp8-a", 4, tp=2, num_query_groups=2, swiglu=True, vocab_size=250,
+             sequence_parallel=True, **FP8),
+        case("te-live-fp8-b", 4, pp=2, num_query_groups=2, swiglu=True, vocab_size=250, **FP8),
+        (1, 2, 1)),
     # DeepSeek-V3's shape: MLA, a dense first layer, grouped experts, an MTP layer.
     "mla-mtp-moe-pp2-ep2->tp2-ep2": (
         case("te-live-mla-a", 4, pp=2, ep=2, num_layers=4, vocab_size=200, **DSV3),
@@ -78,6 +86,8 @@ def test_te_live_switch_equals_megatron_checkpoint_reload(name: str) -> None:
         assert res["losses"][0] == res["losses"][1], (rank, res["losses"])
         assert res["post"] == [], f"rank {rank}: {res['post'][:5]}"
         assert set(res["seconds"]) >= {"exchange", "install", "plan", "verify"}
+        if "fp8" in cfg_a:  # the scales really moved off their initial 1.0 before the switch
+            assert res["fp8_scaled_modules"] > 0, rank
     # Every rank of A's last pipeline stage saw a loss while the switch was planned.
     a = Layout(to_te_spec(cfg_a))
     last = [r for r in range(a.world) if a.coords(r).pp == a.parallel.pp - 1]

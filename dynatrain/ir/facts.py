@@ -46,6 +46,8 @@ def param_facts(layout: Layout, rank: int) -> list[dict[str, Any]]:
                 })
         c = layout.coords(rank)
         for b in cs.buffers:  # replicated over TP and DP, like a norm weight
+            if b.fp8_meta:  # inside the module's _extra_state object, not a ShardedTensor
+                continue
             pre = [i for i, _ in b.prepend]
             out.append({
                 "chunk": cs.chunk.vp, "key": b.key, "buffer_name": b.name,

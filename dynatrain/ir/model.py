@@ -73,6 +73,25 @@ class BufferDef:
     key: str
     shape: tuple[int, ...]
     prepend: tuple[tuple[int, int], ...] = ()
+    # One of a TE module's delayed-scaling tensors, held in ``fp8_meta`` (not a registered
+    # buffer): ``name`` is then ``<module>._extra_state.<tensor>`` (FP8_META_TENSORS).
+    fp8_meta: bool = False
+
+
+# A TE module's delayed-scaling state: scales and amax histories of its 3 forward (input,
+# weight, output) and 2 backward (output gradient, input gradient) fp8 tensors per GEMM,
+# saved in its ``_extra_state`` (TE module/base.py:1106-1175, 1354-1417).
+FP8_META_TENSORS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+
+
+def fp8_meta_buffers(m: ModelConfig, name: str, key: str, pre: tuple) -> list[BufferDef]:
+    """The delayed-scaling tensors of TE GEMM module ``name`` (one GEMM: dense modules only,
+    the rules refuse delayed scaling with experts), replicated like the module's bias."""
+    L = m.fp8_amax_history_len
+    shapes = {"scale_fwd": (3,), "amax_history_fwd": (L, 3), "scale_bwd": (2,),
+              "amax_history_bwd": (L, 2)}
+    return [BufferDef(f"{name}._extra_state.{t}", f"{key}._extra_state.{t}", shapes[t], pre,
+                      fp8_meta=True) for t in FP8_META_TENSORS]
 
 
 def padded_vocab(m: ModelConfig, tp: int) -> int:
@@ -215,6 +234,9 @@ def _layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep:
                           pre, glu, bias, True)
         params += _linear(f"{name}.mlp.linear_fc2", f"{key}.mlp.linear_fc2", H, m.ffn, pre, row,
                           bias, False)
+        if te and m.fp8_delayed:
+            for mod in _gemm_modules(m, q_norm):
+                buffers += fp8_meta_buffers(m, f"{name}.{mod}", f"{key}.{mod}", pre)
         return
     E = m.num_moe_experts or 0
     params += _linear(f"{name}.mlp.router", f"{key}.mlp.router", E, H, pre, None, bias, False)
@@ -249,6 +271,14 @@ def _layer(params: list[ParamDef], buffers: list[BufferDef], m: ModelConfig, ep:
                           glu, False, True)
         params += _linear(f"{sname}.linear_fc2", f"{skey}.linear_fc2", H, fs, pre, row, False,
                           False)
+
+
+def _gemm_modules(m: ModelConfig, q_norm: bool) -> list[str]:
+    """A dense TE layer's GEMM modules, in build order (each keeps fp8 state)."""
+    attn = [proj for proj, _ in mla_modules(m, q_norm)] if m.multi_latent_attention \
+        else ["linear_qkv"]
+    return ["self_attention.linear_proj", *(f"self_attention.{a}" for a in attn),
+            "mlp.linear_fc1", "mlp.linear_fc2"]
 
 
 def _softmax_offset(params: list[ParamDef], m: ModelConfig, name: str, key: str,

@@ -85,6 +85,7 @@ def _check_model(spec: LayoutSpec) -> None:
     _need(not m.multi_latent_attention or m.transformer_impl == "transformer_engine",
           "model.multi_latent_attention", "needs transformer_impl=transformer_engine "
           "(megatron-core's local core attention cannot build multi-latent attention)", True)
+    _check_fp8(m)
     if isinstance(m.moe_layer_freq, tuple):
         _need(len(m.moe_layer_freq) == m.num_layers, "model.moe_layer_freq",
               f"a list must have one 0/1 entry per layer (num_layers={m.num_layers})",
@@ -111,6 +112,31 @@ def _check_model(spec: LayoutSpec) -> None:
           "model.add_bias_linear", "megatron-core's shared experts cannot have biases", True)
     _need(m.moe_shared_expert_intermediate_size is not None or not m.moe_shared_expert_gate,
           "model.moe_shared_expert_gate", "needs moe_shared_expert_intermediate_size", True)
+
+
+def _check_fp8(m) -> None:
+    """fp8 is Transformer Engine's. Delayed scaling is carried per TE GEMM module, and only
+    where that state means the same in every layout: megatron MAX-reduces amaxes over all
+    TP x DP x CP ranks of a stage (M16 parallel_state.py:1509-1532), so experts on different
+    EP ranks share one history slot positionally, and megatron's checkpoint splits a grouped
+    linear's state role-major where TE stores it GEMM-major (M16 extensions/
+    transformer_engine.py:1553-1641)."""
+    if m.fp8 is None:
+        return
+    _need(m.transformer_impl == "transformer_engine", "model.fp8",
+          "needs transformer_impl=transformer_engine (fp8 is Transformer Engine's)", m.fp8)
+    if not m.fp8_delayed:
+        return
+    _need(m.num_moe_experts is None, "model.fp8_recipe",
+          "delayed scaling with experts is refused: megatron reduces amaxes across expert-"
+          "parallel ranks that hold other experts, so the state depends on the layout",
+          m.fp8_recipe)
+    _need(not m.mtp_num_layers, "model.fp8_recipe",
+          "delayed scaling with MTP layers is not modelled (their own fp8 autocast)",
+          m.fp8_recipe)
+    _need(m.softmax_type != "learnable", "model.fp8_recipe",
+          "delayed scaling with learnable softmax is not modelled (megatron then saves core "
+          "attention's fp8 state, which DynaTrain does not carry)", m.fp8_recipe)
 
 
 def _check_world(spec: LayoutSpec) -> None:

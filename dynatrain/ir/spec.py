@@ -77,6 +77,12 @@ class ModelConfig(_Strict):
     # "transformer_engine" (TE modules: norms fused into linear_qkv/linear_fc1, see model.py).
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     moe_grouped_gemm: StrictBool = False  # TE GroupedLinear experts (weight0..N-1)
+    # fp8 training (Megatron-LM's --fp8-format, --fp8-recipe, --fp8-amax-history-len; TE only).
+    # Delayed scaling keeps per-module scales and amax histories (training state, carried);
+    # the other recipes keep none (docs/spec.md).
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    fp8_amax_history_len: Annotated[StrictInt, Field(ge=1, le=100_000)] = 1
 
     @property
     def groups(self) -> int:
@@ -105,6 +111,11 @@ class ModelConfig(_Strict):
             pattern = tuple(i % self.moe_layer_freq == 0 for i in range(n))
         k = self.moe_first_dense_layers
         return tuple(False if i < k else p for i, p in enumerate(pattern))
+
+    @property
+    def fp8_delayed(self) -> bool:
+        """Delayed-scaling fp8: every TE GEMM module keeps scales and amax histories."""
+        return self.fp8 is not None and self.fp8_recipe == "delayed"
 
     @property
     def homogeneous_layers(self) -> bool:

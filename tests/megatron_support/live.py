@@ -380,7 +380,9 @@ def native_state(job: Job) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for i, g in enumerate(job.gpts):
         for k, v in g.state_dict(keep_vars=True).items():
-            if isinstance(v, torch.Tensor):
+            if k.endswith("_extra_state") and isinstance(v, torch.Tensor) and v.numel():
+                out.update({f"model{i}.{k}/{f}": x for f, x in _fp8_extra_state(v).items()})
+            elif isinstance(v, torch.Tensor):
                 out[f"model{i}.{k}"] = v.detach().clone()
     for i, ddp in enumerate(job.ddps):
         for j, buf in enumerate(list(ddp.buffers) + list(ddp.expert_parallel_buffers)):
@@ -405,6 +407,24 @@ def native_state(job: Job) -> dict[str, Any]:
             for gi, group in enumerate(sd["fp32_from_fp16_params"]):
                 for pi, t in enumerate(group):
                     out[f"opt{j}.fp32_from_fp16.{gi}.{pi}"] = t.detach().clone()
+    return out
+
+
+def _fp8_extra_state(v: torch.Tensor) -> dict[str, Any]:
+    """A TE module's pickled fp8 ``_extra_state``, field by field. Its bytes cannot be
+    compared: pickling a tensor records its storage's address (test-only unpickling of what
+    this process's own TE stand-in wrote)."""
+    import pickle
+
+    state = pickle.loads(v.numpy().tobytes())
+    out: dict[str, Any] = {}
+    for f, x in state.items():
+        if f == "recipe":
+            out[f] = (type(x).__qualname__, sorted((k, repr(y)) for k, y in vars(x).items()))
+        elif f == "extra_fp8_variables":
+            out[f] = list(x.items())
+        else:
+            out[f] = x
     return out
 
 

@@ -122,6 +122,7 @@ def _run(cfg_a: dict, cfg_b: dict) -> list[dict]:
             out["tp_after"] = ps.get_tensor_model_parallel_world_size()
             out["ep_after"] = ps.get_expert_model_parallel_world_size()
             out["te_modules_b"] = _te_module_count(as_live(new))
+            out["fp8_scaled_modules"] = _fp8_scaled(as_live(new))
             out["seconds"] = {k: float(v) for k, v in result.seconds.items()}
 
             ref = build(spec_b)
@@ -146,6 +147,14 @@ def _adam_classes(optimizer) -> list[str]:
     leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return sorted({f"{type(o.optimizer).__module__}.{type(o.optimizer).__name__}"
                    for o in leaves})
+
+
+def _fp8_scaled(job) -> int:
+    """TE modules of this rank whose delayed-scaling scales left their initial 1.0."""
+    from dynatrain.runtime.megatron.te_fp8 import has_delayed_state
+
+    return sum(has_delayed_state(m) and bool((m.fp8_meta["scaling_fwd"].scale != 1).any())
+               for g in job.gpts for m in g.modules())
 
 
 def _te_module_count(job) -> int:

@@ -31,6 +31,7 @@ import torch
 from ...ir.errors import LayoutError
 from ...ir.state import BufferSlot, StateView, view_of
 from ..storage import Storage, slot_key, storage_layout
+from . import te_fp8
 
 STEP_KEY = slot_key("step", BufferSlot(-1, "step"))
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -55,6 +56,8 @@ class _Bound:
 
     params: dict[tuple[int, str], torch.nn.Parameter] = field(default_factory=dict)
     buffers: dict[tuple[int, str], tuple[torch.nn.Module, str]] = field(default_factory=dict)
+    # (chunk, name) -> (TE module, one of te_fp8.FP8_TENSORS): delayed-scaling fp8 state
+    fp8: dict[tuple[int, str], tuple[torch.nn.Module, str]] = field(default_factory=dict)
     # (chunk, name) -> (leaf megatron optimizer, its fp32 main param for this parameter)
     mains: dict[tuple[int, str], tuple[Any, torch.Tensor]] = field(default_factory=dict)
     optimizers: list = field(default_factory=list)
@@ -103,10 +106,13 @@ def _bind(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
             where[id(p)] = (vp, name)
         buffers = dict(module.named_buffers())
         for d in cs.buffers:
+            if d.fp8_meta:
+                continue
             if buffers.get(d.name) is None:
                 raise LayoutError(f"rank {rank} chunk {vp}: the model has no buffer {d.name}")
             owner, _, attr = d.name.rpartition(".")
             b.buffers[(vp, d.name)] = (module.get_submodule(owner), attr)
+        _bind_fp8(rank, vp, module, [d for d in cs.buffers if d.fp8_meta], b)
     if len(view.kinds) > 1:
         b.optimizers = _leaf_optimizers(optimizer)
         for opt in b.optimizers:
@@ -121,6 +127,33 @@ def _bind(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
         else:
             _bind_replicated(rank, b, where)
     return b
+
+
+def _bind_fp8(rank: int, vp: int, module: torch.nn.Module, defs: list, b: _Bound) -> None:
+    """Bind the delayed-scaling fp8 tensors the layout names to the TE modules holding them,
+    and refuse a job whose modules keep such state where the layout has none. TE's core
+    attention is left out: with fp8_dpa off (refused when reading a job) it never quantizes,
+    and megatron does not save its state (M16 extensions/transformer_engine.py:1436-1455), so
+    a reload rebuilds it, as a switch does."""
+    want: dict[str, list] = {}
+    for d in defs:
+        owner, _, which = d.name.partition("._extra_state.")
+        want.setdefault(owner, []).append((d.name, which))
+    for path, sub in module.named_modules():
+        if te_fp8.has_delayed_state(sub) and path not in want and \
+                not path.endswith("core_attention"):
+            raise LayoutError(f"rank {rank} chunk {vp}: {path} keeps fp8 delayed-scaling state "
+                              "the layout does not have (is the spec's fp8 set?)")
+    for owner, tensors in want.items():
+        try:
+            te = module.get_submodule(owner)
+        except AttributeError:
+            te = None
+        if not hasattr(te, "init_fp8_meta_tensors"):
+            raise LayoutError(f"rank {rank} chunk {vp}: the model has no Transformer Engine "
+                              f"module {owner} for its fp8 state")
+        for name, which in tensors:
+            b.fp8[(vp, name)] = (te, which)
 
 
 def _bind_distributed(L, rank: int, b: _Bound, where: dict) -> None:
@@ -228,6 +261,8 @@ def _live(b: _Bound, key: tuple) -> torch.Tensor | None:
     kind, _, chunk, name = key
     if kind == "param":
         return b.params[(chunk, name)].detach()
+    if kind == "buffer" and (chunk, name) in b.fp8:
+        return te_fp8.live_tensor(*b.fp8[(chunk, name)])
     if kind == "buffer":
         return b.buffer(chunk, name).detach()
     opt, main = b.mains[(chunk, name)]
@@ -259,13 +294,18 @@ def extract_state(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Mo
         >>> store = extract_state(view_of(Layout(spec)), rank, ddp_chunks, opt)  # doctest: +SKIP
     """
     b = _bind(view, rank, model_chunks, optimizer)
+    for (chunk, name), (te, _) in b.fp8.items():
+        if te_fp8.has_delayed_state(te):
+            te_fp8.check_folded(te, name)
     store: Storage = {}
     for key, spec in storage_spec(view, rank).items():
         if key == STEP_KEY:
             t = torch.tensor(read_step(optimizer), dtype=torch.int64)
         else:
             t = _live(b, key)
-            if t is None:
+            if t is None and key[0] == "buffer" and (key[2], key[3]) in b.fp8:
+                t = te_fp8.initial_tensor(b.fp8[(key[2], key[3])][1], spec.shape)  # no fp8 yet
+            elif t is None:
                 t = torch.zeros(spec.shape, dtype=spec.dtype)
             elif key[0] == "buffer" and t.dtype != spec.dtype:
                 t = t.to(spec.dtype)  # expert_bias still in Float16Module's bf16: exact
@@ -324,12 +364,15 @@ def _writable(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module
     b = _bind(view, rank, model_chunks, optimizer)
     for opt in b.optimizers:
         _ensure_moments(opt)
+    for te in {id(te): te for te, _ in b.fp8.values()}.values():
+        if not te_fp8.has_delayed_state(te):
+            te_fp8.prepare_module(te)  # as TE's set_extra_state allocates them
     out: Storage = {}
     for key, spec in storage_spec(view, rank).items():
         if key == STEP_KEY:
             out[key] = torch.zeros(spec.shape, dtype=spec.dtype)
             continue
-        if key[0] == "buffer":
+        if key[0] == "buffer" and (key[2], key[3]) in b.buffers:
             module, attr = b.buffers[(key[2], key[3])]
             live = getattr(module, attr)
             if live.dtype != spec.dtype:  # as the router's _maintain_float32_expert_bias

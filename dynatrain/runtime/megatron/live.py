@@ -103,6 +103,7 @@ from .job import (Builder, GlobalState, MegatronJob, Notice, Prepared, Refill, S
                   SwitchResult, TrainState, Verifier, carried, carry_into, parallel_kwargs)
 from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
+from . import te_fp8
 from .watchdog import Watchdog
 from .world import WorldSwitch
 
@@ -507,7 +508,7 @@ class LiveSwitcher:
         t.append(time.perf_counter())
         if not self._all_built(failure is None):
             new = dst = None
-            self._back_to_source(saved)
+            self._back_to_source(saved, job)
             where = _where(failure)
             raise SwitchFailed(f"{self.device}: building the destination failed on {where}"
                                "; back in the source layout, nothing moved",
@@ -519,7 +520,7 @@ class LiveSwitcher:
         except SwitchAborted as err:
             new = dst = None  # free the destination job before going back
             if not err.group_destroyed:
-                self._back_to_source(saved)
+                self._back_to_source(saved, job)
                 raise SwitchFailed(f"{err}; the job trains on", job) from err
             if self.rendezvous is None or prep.generation is None:
                 raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
@@ -538,12 +539,13 @@ class LiveSwitcher:
             failure = err
         if not self._all_built(failure is None):
             new = dst = None
-            self._back_to_source(saved)
+            self._back_to_source(saved, job)
             where = _where(failure)
             raise SwitchFailed(f"{self.device}: installing the switched state failed on {where}"
                                "; back in the source layout, the job trains on",
                                job) from failure
         t.append(time.perf_counter())
+        te_fp8.forget_groups()  # the source job's TE fp8 registrations name its old groups
         self._after(prep, "stayed")
         names = ("agree", "extract", "parallel_state", "build", "exchange", "install")
         seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
@@ -559,13 +561,15 @@ class LiveSwitcher:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(int(flag.item()))
 
-    def _back_to_source(self, saved: object = None) -> None:
+    def _back_to_source(self, saved: object = None, job: MegatronJob | None = None) -> None:
         """Megatron's parallel state of the source layout again (every process together), and
-        what ``global_state`` saved before the switch."""
+        what ``global_state`` saved before the switch; ``job``'s TE fp8 modules register again
+        with the new groups."""
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(**parallel_kwargs(self.spec), **self.init_kwargs)
+        te_fp8.forget_groups(job.model_chunks if job is not None else ())
         if self.global_state is not None:
             self.global_state.restore(saved)
 

@@ -72,6 +72,7 @@ from .bridge import extract_state, install_state, read_step
 from .check_job import check_job
 from .job import MegatronJob, RecoveryFailed, SwitchResult, carried, carry_into, parallel_kwargs
 from .rendezvous import Rendezvous
+from . import te_fp8
 
 if TYPE_CHECKING:
     from .live import LiveSwitcher
@@ -444,6 +445,7 @@ class Recovery:
                 sw.global_state.restore(saved)
             raise self._fail(f"{bad[1]} (on {bad[0]}); every survivor keeps its source state "
                              "(its groups are gone): call recover again", bad[2])
+        te_fp8.forget_groups()  # TE fp8 registrations of the old job name its old groups
         if (survivors if p.mode == "rollback" else union).index(self.me) == 0:
             rdzv.post(f"done/{self.g}", {"outcome": "recovered"})
         role = "stayed" if new is not None else "left"

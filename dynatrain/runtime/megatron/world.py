@@ -16,6 +16,7 @@ from ..executor import process_devices, switch
 from .bridge import extract_state, install_state
 from .job import MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, parallel_kwargs
 from .rendezvous import Rendezvous, RendezvousTimeout
+from . import te_fp8
 
 if TYPE_CHECKING:
     from .live import LiveSwitcher
@@ -115,6 +116,7 @@ class WorldSwitch:
                                      f"e.g. {d}: {why}") from error
         except Exception as err:  # noqa: BLE001 — every failure rolls back
             self.roll_back(job, carry, err, saved)
+        te_fp8.forget_groups()  # TE fp8 registrations of the old job name its old groups
         if union.index(self.device) == 0:
             rdzv.post(f"done/{g}", {"outcome": "committed"})
         role = ("left" if new is None else "stayed" if self.src_rank is not None else "joined")
@@ -163,6 +165,7 @@ class WorldSwitch:
         try:
             self.rdzv.form(f"g{g}/rollback", self.src.devices, self.device)
             ps.initialize_model_parallel(**parallel_kwargs(self.src_spec), **sw.init_kwargs)
+            te_fp8.forget_groups()
             restored = sw.build(self.src_spec)
             full = view_of(self.src, self.src.padded_vocab)  # every row, padding included
             state = extract_state(full, self.src_rank, job.model_chunks, job.optimizer)

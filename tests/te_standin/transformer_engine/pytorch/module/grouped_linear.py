@@ -85,6 +85,10 @@ class GroupedLinear(TransformerEngineBaseModule):
         if self.tp_size > 1:
             raise NotImplementedError("GroupedLinear with TE-side TP communication: megatron "
                                       "always handles expert TP outside the module")
+        self.init_fp8_metadata(num_gemms=self.num_gemms)
+        if self.fp8:
+            raise NotImplementedError("fp8 GroupedLinear: not in the CPU stand-in (DynaTrain "
+                                      "refuses delayed scaling with experts)")
         m_splits = [int(m) for m in m_splits]
         if len(m_splits) != self.num_gemms:
             raise ValueError(f"Number of splits ({len(m_splits)}) should match number of "

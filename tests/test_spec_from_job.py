@@ -178,7 +178,9 @@ def test_moe_layer_freq_pattern_string() -> None:
 
 @pytest.mark.parametrize("arg, value", [
     ("moe_use_legacy_grouped_gemm", True),
-    ("fp8", "hybrid"),
+    ("tp_only_amax_red", True),
+    ("fp8_dot_product_attention", True),
+    ("fp8_param_gather", True),
     ("mla_down_proj_fusion", True),
     ("use_precision_aware_optimizer", True),
     # megatron-core 0.19 / Megatron-LM 0.19 names that change the layout.
@@ -191,6 +193,24 @@ def test_unsupported_arguments_refused_in_one_line(arg, value) -> None:
         read_megatron({**QWEN235_ARGS, arg: value}, W32)
     text = str(err.value)
     assert "\n" not in text and text.startswith(f"{arg}: is not supported by DynaTrain yet")
+
+
+def test_fp8_arguments_read_into_the_spec() -> None:
+    """--fp8-format, --fp8-recipe and --fp8-amax-history-len map into the model (TE layers);
+    delayed scaling with experts gets the rule's refusal, named by the argument."""
+    te = {"transformer_impl": "transformer_engine", "fp8": "hybrid"}
+    m = read_megatron({**LLAMA70_ARGS, **te, "fp8_amax_history_len": 16}, W16).spec.model
+    assert (m.fp8, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_delayed) == (
+        "hybrid", "delayed", 16, True)
+    m = read_megatron({**QWEN235_ARGS, **te, "fp8_recipe": "blockwise"}, W32).spec.model
+    assert (m.fp8, m.fp8_recipe, m.fp8_delayed) == ("hybrid", "blockwise", False)
+    assert read_megatron(LLAMA70_ARGS, W16).spec.model.fp8 is None
+    with pytest.raises(SpecError) as err:
+        read_megatron({**QWEN235_ARGS, **te}, W32)
+    assert str(err.value).startswith("fp8_recipe: delayed scaling with experts is refused")
+    with pytest.raises(SpecError) as err:
+        read_megatron({**LLAMA70_ARGS, **te, "transformer_impl": "local"}, W16)
+    assert str(err.value).startswith("fp8: needs transformer_impl=transformer_engine")
 
 
 def test_mla_and_sink_arguments_read_into_the_spec() -> None:
@@ -512,6 +532,6 @@ def test_cli_spec_from_hf_and_from_args(tmp_path, capsys) -> None:
     args.write_text("[1, 2]")
     assert main(["spec", "--from-args", str(args)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
-    args.write_text(_json.dumps({"fp8": "hybrid", "num_layers": 2}))
+    args.write_text(_json.dumps({"fp8_param_gather": True, "num_layers": 2}))
     assert main(["spec", "--from-args", str(args), "--world", "nodes=1,gpus_per_node=8"]) == 2
     assert "fp8" in capsys.readouterr().err

@@ -203,6 +203,23 @@ BROKEN = [
      "parallel.pp", "must divide num_layers=9 (incl. accounted embedding/loss)"),
     ("vpp-divides-stage-layers", DENSE, {"parallel.pp": 2, "parallel.vpp": 3},
      "parallel.vpp", "must divide the 4 layers per pipeline stage"),
+    # ---- fp8 -----------------------------------------------------------------------------
+    ("fp8-needs-te", DENSE, {"model.fp8": "hybrid"}, "model.fp8",
+     "needs transformer_impl=transformer_engine"),
+    ("fp8-delayed-experts", MOE, {"model.fp8": "e4m3", "model.transformer_impl":
+                                  "transformer_engine"}, "model.fp8_recipe",
+     "delayed scaling with experts is refused"),
+    ("fp8-delayed-mtp", DENSE, {"model.fp8": "hybrid", "model.transformer_impl":
+                                "transformer_engine", "model.mtp_num_layers": 1,
+                                "model.position_embedding_type": "rope",
+                                "model.untie_embeddings_and_output_weights": True},
+     "model.fp8_recipe", "delayed scaling with MTP layers is not modelled"),
+    ("fp8-delayed-sinks", DENSE, {"model.fp8": "hybrid", "model.transformer_impl":
+                                  "transformer_engine", "model.softmax_type": "learnable"},
+     "model.fp8_recipe", "delayed scaling with learnable softmax is not modelled"),
+    ("fp8-custom-recipe", DENSE, {"model.fp8": "hybrid", "model.transformer_impl":
+                                  "transformer_engine", "model.fp8_recipe": "custom"},
+     "model.fp8_recipe", "'delayed', 'tensorwise', 'blockwise' or 'mxfp8'"),
     # ---- schema (pydantic) -----------------------------------------------------------------
     ("order-is-permutation", DENSE, {"parallel.order": "tp-cp-dp-pp"},
      "parallel.order", "permutation of tp, cp, ep, dp, pp"),
@@ -284,6 +301,10 @@ ALLOWED = [
     ("moe-bias-etp1", MOE, {"model.add_bias_linear": True, "parallel.tp": 2, "parallel.ep": 2,
                             "parallel.etp": 1}),
     ("derive-param", DENSE, {"state.derive_param": True}),
+    ("fp8-delayed-dense", DENSE, {"model.fp8": "hybrid", "model.transformer_impl":
+                                  "transformer_engine", "model.fp8_amax_history_len": 1024}),
+    ("fp8-stateless-experts", MOE, {"model.fp8": "e4m3", "model.fp8_recipe": "mxfp8",
+                                    "model.transformer_impl": "transformer_engine"}),
     ("devices", DENSE,
      {"world.nodes": DELETE, "world.gpus_per_node": DELETE,
       "world.devices": [f"node{n}:gpu{g}" for n in (7, 3) for g in range(4)]}),

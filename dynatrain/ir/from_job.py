@@ -87,6 +87,9 @@ _DEFAULTS: dict[str, Any] = dict(
     qk_pos_emb_head_dim=64, v_head_dim=128, softmax_type="vanilla", mtp_num_layers=None,
     # Checked per version (``_refuse_version_specific``), not read into the spec.
     use_cpu_initialization=None,
+    # fp8 training: Megatron-LM's --fp8-format is args.fp8 (MT16 arguments.py); the recipe and
+    # history length are read only when it is set.
+    fp8=None, fp8_recipe="delayed", fp8_amax_history_len=1,
 )
 MAPPED = frozenset(_DEFAULTS)
 
@@ -94,8 +97,12 @@ MAPPED = frozenset(_DEFAULTS)
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     # With moe_grouped_gemm: megatron's legacy GroupedMLP (one fused weight per layer).
     "moe_use_legacy_grouped_gemm": ((False,), "the legacy GroupedMLP experts"),
-    "fp8": ((None,), "fp8 training"),
     "fp8_param_gather": ((False,), "fp8 parameters"),
+    # Amaxes reduced over TP only (M16 parallel_state.py:1509-1532): each data-parallel
+    # replica then keeps other delayed-scaling state, and a reload takes replica 0's.
+    "tp_only_amax_red": ((False,), "fp8 amaxes reduced over tensor parallelism only"),
+    "fp8_dot_product_attention": ((False,), "fp8 attention (core attention's own fp8 state)"),
+    "fp8_multi_head_attention": ((False,), "fp8 attention (core attention's own fp8 state)"),
     "fp4": ((None,), "fp4 training"),
     "fp4_param": ((False,), "fp4 parameters"),
     "te_precision_config_file": ((None, ""), "a Transformer Engine precision recipe"),
@@ -168,7 +175,8 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 # No effect on where parameters and optimizer state live (checked name by name against
 # core_v0.16.1's Megatron-LM arguments, TransformerConfig and DistributedDataParallelConfig).
-# Some only matter together with an UNSUPPORTED switch that is refused (fp8_recipe).
+# Some only matter together with an UNSUPPORTED switch that is refused (fp8_quantizer_factory:
+# the custom recipe, refused by the spec's fp8_recipe).
 _IGNORED_16 = """
 _cpu_offloading_context accumulate_allreduce_grads_in_fp32 activation_func_clamp_value
 activation_func_fp8_input_store adam_beta1 adam_beta2 adam_eps add_position_embedding
@@ -219,8 +227,8 @@ fim_fragment_rate fim_middle_token fim_no_prefix fim_pad_token fim_prefix_token 
 fim_split_sample fim_spm_rate fim_suffix_token finalize_model_grads_func
 fine_grained_activation_offloading finetune first_last_layers_bf16 flash_decode
 fp16_lm_cross_entropy fp32_residual_connection fp4_quantizer_factory fp4_recipe
-fp8_amax_compute_algo fp8_amax_history_len fp8_dot_product_attention fp8_interval fp8_margin
-fp8_multi_head_attention fp8_quantizer_factory fp8_recipe fp8_wgrad fsdp_double_buffer
+fp8_amax_compute_algo fp8_interval fp8_margin
+fp8_quantizer_factory fp8_wgrad fsdp_double_buffer
 fsdp_manual_registration ft_num_warmup_iters full_validation fused_single_qkv_rope
 global_batch_size glu_linear_offset grad_reduce_in_bf16 grad_reduce_in_fp32 grad_scale_func
 grad_sync_func gradient_accumulation_fusion gradient_reduce_div_fusion grpo_clamp_eps_lower
@@ -319,7 +327,7 @@ tokenizer_metadata tokenizer_model tokenizer_sentencepiece_legacy tokenizer_spec
 torch_fsdp2_reshard_after_forward tp_comm_atomic_ag tp_comm_atomic_rs
 tp_comm_bootstrap_backend tp_comm_bulk_dgrad tp_comm_bulk_wgrad tp_comm_overlap
 tp_comm_overlap_ag tp_comm_overlap_cfg tp_comm_overlap_disable_fc1 tp_comm_overlap_disable_qkv
-tp_comm_overlap_rs tp_comm_overlap_rs_dgrad tp_comm_split_ag tp_comm_split_rs tp_only_amax_red
+tp_comm_overlap_rs tp_comm_overlap_rs_dgrad tp_comm_split_ag tp_comm_split_rs
 train_data_path train_iters train_samples train_sync_interval trust_remote_code
 use_checkpoint_args use_checkpoint_opt_param_scheduler use_dist_ckpt
 use_dist_ckpt_deprecated use_flash_attn use_fused_weighted_squared_relu use_legacy_static_engine
@@ -729,7 +737,8 @@ def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, tra
     origin["parallel.pipeline_model_parallel_layout"] = label("pipeline_model_parallel_layout")
     origin["parallel.order"] = label("use_tp_pp_dp_mapping")
     origin["parallel.sequence_parallel"] = label("sequence_parallel")
-    for field in ("transformer_impl", "moe_grouped_gemm"):
+    for field in ("transformer_impl", "moe_grouped_gemm", "fp8", "fp8_recipe",
+                  "fp8_amax_history_len"):
         origin[f"model.{field}"] = label(field)
 
     model = {k: a[k] for k in _MODEL_SAME if a[k] is not None}
@@ -745,6 +754,9 @@ def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, tra
     model["moe_layer_freq"] = _moe_layer_freq(a["moe_layer_freq"], label("moe_layer_freq"))
     model["transformer_impl"] = _plain(a["transformer_impl"])
     model["moe_grouped_gemm"] = a["moe_grouped_gemm"]
+    if a["fp8"] is not None:
+        model.update(fp8=_plain(a["fp8"]), fp8_recipe=_plain(a["fp8_recipe"]),
+                     fp8_amax_history_len=a["fp8_amax_history_len"])
     tp = a["tensor_model_parallel_size"]
     model["vocab_size"] = _vocab(a, tp, label, notes, version)
     if model.get("position_embedding_type") == "learned_absolute" and (

@@ -54,6 +54,13 @@ SWITCHES = {
              sequence_parallel=True, **FP8),
         case("te-live-fp8-b", 4, pp=2, num_query_groups=2, swiglu=True, vocab_size=250, **FP8),
         (1, 2, 1)),
+    # fp8 with current scaling: no state, so sequential experts move as without fp8.
+    "fp8-tensorwise-moe-ep2->tp2-ep2": (
+        case("te-live-fp8cs-a", 4, ep=2, swiglu=True, vocab_size=200, fp8="hybrid",
+             fp8_recipe="tensorwise", **MOE),
+        case("te-live-fp8cs-b", 4, tp=2, ep=2, etp=1, swiglu=True, vocab_size=200,
+             sequence_parallel=True, fp8="hybrid", fp8_recipe="tensorwise", **MOE),
+        (2, 1, 2)),
     # DeepSeek-V3's shape: MLA, a dense first layer, grouped experts, an MTP layer.
     "mla-mtp-moe-pp2-ep2->tp2-ep2": (
         case("te-live-mla-a", 4, pp=2, ep=2, num_layers=4, vocab_size=200, **DSV3),
@@ -86,8 +93,9 @@ def test_te_live_switch_equals_megatron_checkpoint_reload(name: str) -> None:
         assert res["losses"][0] == res["losses"][1], (rank, res["losses"])
         assert res["post"] == [], f"rank {rank}: {res['post'][:5]}"
         assert set(res["seconds"]) >= {"exchange", "install", "plan", "verify"}
-        if "fp8" in cfg_a:  # the scales really moved off their initial 1.0 before the switch
-            assert res["fp8_scaled_modules"] > 0, rank
+        if "fp8" in cfg_a:  # fp8 really ran; delayed scales moved off their initial 1.0
+            assert res["fp8_ran_modules"] > 0, rank
+            assert (res["fp8_scaled_modules"] > 0) == (cfg_a["fp8_recipe"] == "delayed"), rank
     # Every rank of A's last pipeline stage saw a loss while the switch was planned.
     a = Layout(to_te_spec(cfg_a))
     last = [r for r in range(a.world) if a.coords(r).pp == a.parallel.pp - 1]

@@ -123,6 +123,7 @@ def _run(cfg_a: dict, cfg_b: dict) -> list[dict]:
             out["ep_after"] = ps.get_expert_model_parallel_world_size()
             out["te_modules_b"] = _te_module_count(as_live(new))
             out["fp8_scaled_modules"] = _fp8_scaled(as_live(new))
+            out["fp8_ran_modules"] = _fp8_ran(as_live(job))
             out["seconds"] = {k: float(v) for k, v in result.seconds.items()}
 
             ref = build(spec_b)
@@ -147,6 +148,11 @@ def _adam_classes(optimizer) -> list[str]:
     leaves = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return sorted({f"{type(o.optimizer).__module__}.{type(o.optimizer).__name__}"
                    for o in leaves})
+
+
+def _fp8_ran(job) -> int:
+    """TE modules of this rank (the source job) that ran an fp8 forward (a recipe recorded)."""
+    return sum("recipe" in getattr(m, "fp8_meta", {}) for g in job.gpts for m in g.modules())
 
 
 def _fp8_scaled(job) -> int:

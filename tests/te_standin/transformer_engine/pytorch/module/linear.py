@@ -29,7 +29,8 @@ class Linear(TransformerEngineBaseModule):
                  bias: bool = True, return_bias: bool = False,
                  params_dtype: torch.dtype | None = None,
                  parallel_mode: str | None = None, parameters_split=None,
-                 device="cuda", name: str | None = None, **unsupported) -> None:
+                 device="cuda", name: str | None = None, save_original_input: bool = False,
+                 **unsupported) -> None:
         _reject_fused(unsupported)
         if parameters_split is not None:
             raise NotImplementedError("parameters_split: not used by megatron-core")
@@ -44,6 +45,10 @@ class Linear(TransformerEngineBaseModule):
         self.apply_bias = bias and not return_bias
         self.get_rng_state_tracker = get_rng_state_tracker
         self.rng_tracker_name = rng_tracker_name
+        # linear.py:1602: keep the unquantized input for the backward (memory only; the
+        # stand-in's autograd keeps what it keeps); megatron sets it on linear_proj and
+        # shared experts under fp8 (M16 extensions/transformer_engine.py:2501-2518).
+        self.save_original_input = save_original_input
         # linear.py:1608-1625
         self._init_tp(tp_group, tp_size)
         self.parallel_mode = parallel_mode

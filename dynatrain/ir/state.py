@@ -2,7 +2,7 @@
 
 Every piece of state is a logical tensor ``(key, kind)``: ``key`` is the megatron-core checkpoint
 key, ``kind`` one of param, main_param, exp_avg, exp_avg_sq (per parameter), buffer (router
-expert_bias) or step (Adam's step count). Its shape is the checkpoint's global shape with vocab
+expert_bias, TE fp8 scales and amax histories) or step (Adam's step count). Its shape is the checkpoint's global shape with vocab
 padding removed (padding rows are not data). A rank holds a tensor as ``Region``s: a box of the
 logical tensor and the slot in that rank's local storage where the box's elements sit
 (``slots``). Consumers that work on many ranks read ``Stored`` entries instead, where the
@@ -14,9 +14,10 @@ with fp8 off: TE saves an empty uint8 tensor (TE module/base.py:1385-1389, ops/o
 loading an empty tensor returns without touching the module (base.py:1429-1431), and megatron's
 grouped-linear load hook returns early when there is no fp8 state (M16 extensions/
 transformer_engine.py:1553-1641). So a freshly built destination module already holds what a
-reload would give it (tests/test_te_parity.py checks both facts against megatron). fp8 jobs,
-whose extra state holds scales and amax histories, are refused when a spec is read
-(``from_job.UNSUPPORTED``).
+reload would give it (tests/test_te_parity.py checks both facts against megatron). With fp8
+delayed scaling the extra state holds scales and amax histories: those are state here, four
+``buffer`` tensors per TE GEMM module (``model.fp8_meta_buffers``), replicated over TP and DP
+as megatron's amax reduction keeps them (docs/spec.md).
 """
 
 from __future__ import annotations

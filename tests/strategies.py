@@ -98,7 +98,21 @@ def models(draw: st.DrawFn, moe: bool | None = None, te: bool = True) -> dict:
         _moe_fields(draw, m)
         if te and draw(st.booleans()):
             m["moe_grouped_gemm"] = True
+    if te and draw(st.integers(0, 2)) == 0:
+        _fp8_fields(draw, m)
     return m
+
+
+def _fp8_fields(draw: st.DrawFn, m: dict) -> None:
+    """fp8 training: delayed scaling (carried state) where the rules allow it, else a recipe
+    without state."""
+    m["fp8"] = draw(st.sampled_from(["hybrid", "e4m3"]))
+    delayed_ok = not (m.get("num_moe_experts") or m.get("mtp_num_layers")
+                      or m.get("softmax_type") == "learnable")
+    recipes = (["delayed"] * 3 if delayed_ok else []) + ["tensorwise", "blockwise", "mxfp8"]
+    m["fp8_recipe"] = draw(st.sampled_from(recipes))
+    if m["fp8_recipe"] == "delayed":
+        m["fp8_amax_history_len"] = draw(st.integers(1, 4))
 
 
 def _mla_fields(draw: st.DrawFn, m: dict) -> None:

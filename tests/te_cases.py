@@ -192,7 +192,7 @@ def random_feature_cases(n: int, max_world: int = 4) -> list[dict]:
     attention for a parameter-less stand-in when cp > 1 (neither CPU core attention has CP)."""
     from hypothesis import HealthCheck, Phase, assume, given, settings
     from hypothesis import strategies as st
-    from strategies import layouts, models
+    from strategies import _spec, layouts, models
 
     @st.composite
     def docs(draw: st.DrawFn) -> dict:
@@ -202,6 +202,7 @@ def random_feature_cases(n: int, max_world: int = 4) -> list[dict]:
                or model.get("mtp_num_layers"))
         doc = draw(layouts(model, max_world=max_world))
         assume(doc["parallel"].get("cp", 1) == 1 or model.get("softmax_type") != "learnable")
+        _spec(doc)  # as the gate: a rule the construction missed rejects the example
         return doc
 
     drawn: list[dict] = []

@@ -134,6 +134,8 @@ COVERAGE = {
     "mla with q lora, tp > 1": _both(lambda s: s.model.multi_latent_attention
                                      and s.model.q_lora_rank is not None and s.parallel.tp > 1),
     "attention sinks": _both(lambda s: s.model.softmax_type == "learnable"),
+    "fp8 delayed": _both(lambda s: s.model.fp8_delayed),
+    "fp8 stateless recipe": _both(lambda s: s.model.fp8 is not None and not s.model.fp8_delayed),
     "mtp": _both(lambda s: bool(s.model.mtp_num_layers) and s.parallel.pp > 1),
     "mtp in a layout string": _both(lambda s: "m" in (s.parallel.pipeline_model_parallel_layout
                                                        or "")),

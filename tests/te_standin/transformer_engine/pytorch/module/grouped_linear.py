@@ -31,11 +31,12 @@ class GroupedLinear(TransformerEngineBaseModule):
                  params_dtype: torch.dtype | None = None, parallel_mode: str | None = None,
                  device="cuda", single_grouped_weight: bool = False,
                  single_grouped_bias: bool = False, name: str | None = None,
-                 **unsupported) -> None:
+                 save_original_input: bool = False, **unsupported) -> None:
         _reject_fused(unsupported)
         if single_grouped_weight or single_grouped_bias:
             raise NotImplementedError("single grouped weight/bias: not in the CPU stand-in")
         super().__init__(name)
+        self.save_original_input = save_original_input  # grouped_linear.py:1655 (memory only)
         self.params_dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
         self.num_gemms = num_gemms
         self.in_features = in_features

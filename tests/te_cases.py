@@ -185,6 +185,41 @@ def random_cases() -> list[dict]:
     return random_feature_cases(30)
 
 
+def random_fp8_delayed_cases(n: int, max_world: int = 4) -> list[dict]:
+    """``n`` small random dense TE jobs training with fp8 delayed scaling, drawn
+    (reproducibly) by the gate's own strategies; without context parallelism (the CPU core
+    attention has none) and with VPP only up to PP 2 (the live harness trains 2 microbatches)."""
+    from hypothesis import HealthCheck, Phase, assume, given, settings
+    from hypothesis import strategies as st
+    from strategies import _spec, layouts, models
+
+    @st.composite
+    def docs(draw: st.DrawFn) -> dict:
+        model = draw(models(moe=False))
+        assume(model.get("fp8_recipe") == "delayed")
+        # megatron's attention takes the GQA path when num_query_groups < TP, which MLA's
+        # forward cannot run (M16 transformer/attention.py:289-296); the layout is the same.
+        if model.get("multi_latent_attention"):
+            model.pop("num_query_groups", None)
+        doc = draw(layouts(model, max_world=max_world))
+        assume(doc["parallel"].get("cp", 1) == 1)
+        p = _spec(doc).parallel
+        # The harness trains 2 microbatches; the interleaved schedule needs at least pp.
+        assume(p.vpp is None or p.pp <= 2)
+        return doc
+
+    drawn: list[dict] = []
+
+    @settings(max_examples=n, database=None, derandomize=True, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(doc=docs())
+    def collect(doc: dict) -> None:
+        drawn.append(doc)
+
+    collect()
+    return [drawn_case({**doc, "name": f"te-fp8-random-{i}"})[0] for i, doc in enumerate(drawn)]
+
+
 def random_feature_cases(n: int, max_world: int = 4) -> list[dict]:
     """``n`` small random TE jobs that use multi-latent attention, attention sinks or MTP, drawn
     (reproducibly) by the gate's own strategies: any model and layout those draw, given the

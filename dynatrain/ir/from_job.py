@@ -140,7 +140,10 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_torch_fsdp2": ((False,), "torch FSDP2"),
     "ddp_num_buckets": ((None,), "a bucket count (its size depends on each rank's "
                         "parameters); give ddp_bucket_size"),
-    "optimizer_cpu_offload": ((False,), "optimizer state offloaded to the CPU"),
+    # HybridDeviceOptimizer (M16 optimizer/cpu_offloading/hybrid_optimizer.py:227-355): per-
+    # parameter CPU torch AdamW optimizers (own step tensors) next to a GPU FusedAdam.
+    "optimizer_cpu_offload": ((False,), "optimizer state split between per-parameter CPU "
+                              "AdamW optimizers and a GPU FusedAdam"),
     # Megatron-LM sets it at run time when it loads a ModelOpt checkpoint (MT16
     # training.py:1168-1177): the model then comes from ModelOpt's provider (quantizers,
     # distillation teachers), not the GPT layout DynaTrain models.
@@ -715,8 +718,9 @@ def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:
         # optimizer/distrib_optimizer.py:440-449, 883-934); the runtime bridge reads torch
         # Adam's state, so it would carry zeros. Refused until it reads FusedAdam's.
         raise SpecError(label("use_precision_aware_optimizer"), "is not supported by DynaTrain "
-                        "yet (TE FusedAdam's state: master params and moments of other dtypes)",
-                        True)
+                        "yet (TE FusedAdam then keeps the master params itself, by default only "
+                        "as int16 remainders of the bf16 params, and its moments in other dtypes "
+                        "keyed by the bf16 shards)", True)
     if a["optimizer"] != "adam":
         raise SpecError("optimizer", "is not supported by DynaTrain yet (only adam's state is "
                         "modelled)", a["optimizer"])

@@ -163,6 +163,22 @@ def test_every_suggestion_fits_and_its_peak_bounds_the_exact_state(case, request
         assert exact + out.reserve_bytes <= CAPACITY
 
 
+def test_peak_is_exact_for_an_mtp_model_without_distributed_optimizer():
+    """Without optimizer padding the estimate is exact, so nothing may be missing: with MTP
+    the decoder's final norm sits with the last decoder layer, not with the output layer."""
+    doc = {"model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                     "ffn_hidden_size": 128, "vocab_size": 1000, "mtp_num_layers": 1,
+                     "position_embedding_type": "rope", "normalization": "LayerNorm",
+                     "untie_embeddings_and_output_weights": True},
+           "parallel": {"pp": 2, "use_distributed_optimizer": False},
+           "world": {"nodes": 1, "gpus_per_node": 4}}
+    spec = spec_from_dict(doc)
+    out = suggest(spec, Layout(spec).devices, top=50)
+    assert out.ranked
+    for s in out.ranked:  # exact_peak_bytes leaves out Adam's 8-byte step
+        assert s.peak_state_bytes == exact_peak_bytes(s.spec) + 8, s.grid
+
+
 def test_memory_filter_matches_an_exact_count(llama):
     devices = Layout(llama).devices[:6]
     peaks = sorted({exact_peak_bytes(s) for s in candidate_layouts(llama, devices)})

@@ -395,6 +395,10 @@ class _Footprint:
         self.pre_post = {(a, b): _part(m, p.tp, p.ep, p.expert_tp, None, a, b, p.pp > 1,
                                        self.spec.megatron_core)
                          for a in (False, True) for b in (False, True)}
+        # With MTP the decoder's final norm sits with the last decoder layer, wherever it is
+        # (model.has_final_norm), not with the post-process parts.
+        k = 2 if m.normalization == "LayerNorm" else 1
+        self.final_norm = _Elems(dense_repl=k * m.hidden_size, dense_params=k)
         self.stages = [[self._chunk(c) for c in lay.chunks(pp)] for pp in range(p.pp)]
         self.stage_bytes = [self._bytes(chunks) for chunks in self.stages]
 
@@ -411,6 +415,9 @@ class _Footprint:
             out = out + self.kind[True].scaled(n_moe)
         if len(c.layers) > n_moe:
             out = out + self.kind[False].scaled(len(c.layers) - n_moe)
+        m = self.spec.model
+        if m.mtp_num_layers and m.num_layers - 1 in c.layers:
+            out = out + self.final_norm
         return out
 
     def opt_elems(self, chunks: list[_Elems], bound: bool) -> int:

@@ -147,8 +147,11 @@ def to_spec_dict(cfg: dict) -> dict:
     par = {k: v for k, v in cfg.items() if k in _PARALLEL_KEYS and v is not None}
     if cfg.get("bucket_size") is not None:
         par["overlap_grad_reduce"] = True
-    return {"name": cfg["name"], "model": model, "parallel": par,
-            "world": {"nodes": 1, "gpus_per_node": cfg["world"]}}
+    out = {"name": cfg["name"], "model": model, "parallel": par,
+           "world": {"nodes": 1, "gpus_per_node": cfg["world"]}}
+    if "state" in cfg:  # the spec's state dtypes (the harness takes optimizer overrides)
+        out["state"] = cfg["state"]
+    return out
 
 
 def to_spec(cfg: dict) -> LayoutSpec:
@@ -157,7 +160,7 @@ def to_spec(cfg: dict) -> LayoutSpec:
 
 def to_harness_cfg(cfg: dict) -> dict:
     """A matrix entry as the megatron harness's input."""
-    out = {k: v for k, v in cfg.items() if k not in ("name", "world")}
+    out = {k: v for k, v in cfg.items() if k not in ("name", "world", "state")}
     out["seq_length"] = out.pop("max_position_embeddings")
     # Spell out DynaTrain's defaults (Megatron's own) so both sides build the same model.
     out.setdefault("position_embedding_type", "learned_absolute")

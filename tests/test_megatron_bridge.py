@@ -194,15 +194,18 @@ def test_before_the_first_step_adam_starts_from_zero() -> None:
         assert res["diffs"] == [], res["diffs"][:5]
 
 
-def test_precision_aware_optimizer_refused_not_read_as_zeros() -> None:
-    """A job whose optimizer config says precision-aware (TE FusedAdam keeps its moments under
-    the bf16 shard, which torch Adam's reading would miss) is refused in one line."""
+def test_precision_aware_remainders_refused_not_read_as_masters() -> None:
+    """With the precision-aware optimizer TE FusedAdam may keep each master only as an int16
+    remainder of the bf16 param (``store_param_remainders``): the bridge refuses it in one line
+    rather than carry half a master. (Carrying precision-aware fp32 masters and bf16 moments is
+    checked against megatron's reload in tests/test_te_live.py.)"""
     cfg, view, _, build = _fresh_job("tp2-dp2-gqa-swiglu")
 
     def work(rank: int) -> str:
         job = build()
         for opt in getattr(job.optimizer, "chained_optimizers", [job.optimizer]):
-            opt.config.use_precision_aware_optimizer = True
+            opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+            opt.optimizer.store_param_remainders = True
         try:
             extract_state(view, rank, job.ddps, job.optimizer)
         except LayoutError as err:
@@ -210,7 +213,7 @@ def test_precision_aware_optimizer_refused_not_read_as_zeros() -> None:
         return ""
 
     for msg in live.run_workers(work, cfg["world"]):
-        assert "precision-aware optimizer" in msg and "\n" not in msg
+        assert "int16 remainders" in msg and "\n" not in msg
 
 
 def test_install_refuses_a_storage_of_another_layout_before_touching_the_job() -> None:

@@ -182,7 +182,6 @@ def test_moe_layer_freq_pattern_string() -> None:
     ("fp8_dot_product_attention", True),
     ("fp8_param_gather", True),
     ("mla_down_proj_fusion", True),
-    ("use_precision_aware_optimizer", True),
     # megatron-core 0.19 / Megatron-LM 0.19 names that change the layout.
     ("hybrid_layer_pattern", "M*-M*-"),
     ("freeze_all_layers", True),
@@ -193,6 +192,21 @@ def test_unsupported_arguments_refused_in_one_line(arg, value) -> None:
         read_megatron({**QWEN235_ARGS, arg: value}, W32)
     text = str(err.value)
     assert "\n" not in text and text.startswith(f"{arg}: is not supported by DynaTrain yet")
+
+
+def test_precision_aware_optimizer_states_read_into_the_spec() -> None:
+    """--use-precision-aware-optimizer with fp32 masters kept by TE FusedAdam and bf16 moments
+    maps into the spec's state dtypes; what DynaTrain does not carry is refused by name."""
+    pa = {"use_precision_aware_optimizer": True, "store_param_remainders": False,
+          "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16", "bf16": True}
+    st = read_megatron({**LLAMA70_ARGS, **pa}, W16).spec.state
+    assert (st.param, st.main_param, st.exp_avg, st.exp_avg_sq) == ("bf16", "fp32", "bf16",
+                                                                     "bf16")
+    for arg, value in (("store_param_remainders", True), ("exp_avg_dtype", "fp16"),
+                       ("exp_avg_sq_dtype", "fp8"), ("main_params_dtype", "fp16")):
+        with pytest.raises(SpecError) as err:
+            read_megatron({**LLAMA70_ARGS, **pa, arg: value}, W16)
+        assert str(err.value).startswith(f"{arg}: is not supported by DynaTrain yet"), arg
 
 
 def test_fp8_arguments_read_into_the_spec() -> None:

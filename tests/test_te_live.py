@@ -29,6 +29,9 @@ pytest.importorskip("megatron.core")
 te_live = pytest.importorskip("megatron_support.te_live")
 
 FUSED_ADAM = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
+PA = dict(state={"exp_avg": "bf16", "exp_avg_sq": "bf16"}, optimizer_config_overrides={
+    "use_precision_aware_optimizer": True, "main_params_dtype": "fp32", "exp_avg_dtype": "bf16",
+    "exp_avg_sq_dtype": "bf16", "store_param_remainders": False})
 FP8 = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=3,
            fp8_amax_compute_algo="max")
 BIAS = {"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}
@@ -53,6 +56,11 @@ SWITCHES = {
         case("te-live-fp8-a", 4, tp=2, num_query_groups=2, swiglu=True, vocab_size=250,
              sequence_parallel=True, **FP8),
         case("te-live-fp8-b", 4, pp=2, num_query_groups=2, swiglu=True, vocab_size=250, **FP8),
+        (1, 2, 1)),
+    # The precision-aware optimizer: TE FusedAdam's own fp32 masters and bf16 moments.
+    "precision-aware-tp2-dp2->pp2-dp2": (
+        case("te-live-pa-a", 4, tp=2, num_query_groups=2, swiglu=True, vocab_size=250, **PA),
+        case("te-live-pa-b", 4, pp=2, num_query_groups=2, swiglu=True, vocab_size=250, **PA),
         (1, 2, 1)),
     # fp8 with current scaling: no state, so sequential experts move as without fp8.
     "fp8-tensorwise-moe-ep2->tp2-ep2": (
@@ -83,6 +91,8 @@ def test_te_live_switch_equals_megatron_checkpoint_reload(name: str) -> None:
         assert (res["tp_after"], res["pp_after"], res["ep_after"]) == dst_sizes, rank
         # megatron runs TE's FusedAdam (step per param group), as it does with TE installed.
         assert res["adam"] == [FUSED_ADAM], (rank, res["adam"])
+        # precision-aware: FusedAdam itself holds the masters (megatron keeps none)
+        assert res["master_weights"] == ("optimizer_config_overrides" in cfg_a), rank
         assert res["iteration"] == [3, 3], rank
         assert res["n_state"] > 0 and res["n_extra_state"] > 0, rank
         # Megatron's reload leaves exactly TE core attention's extra state (not in its

@@ -21,12 +21,16 @@ import torch
 _PATH = Path(__file__).parent / "te_standin/transformer_engine/pytorch/optimizers/fused_adam.py"
 
 
-def _fused_adam():
+def _module():
     # Loaded by path: putting the stand-in on sys.path would make this process "see TE".
     spec = importlib.util.spec_from_file_location("standin_fused_adam", _PATH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.FusedAdam
+    return mod
+
+
+def _fused_adam():
+    return _module().FusedAdam
 
 
 def _reference(p, grads, lr, b1, b2, eps, wd, adam_w):
@@ -85,7 +89,41 @@ def test_fused_adam_state_layout_and_update(adam_w: bool) -> None:
 def test_fused_adam_refuses_what_the_stand_in_lacks() -> None:
     FusedAdam = _fused_adam()
     p = torch.nn.Parameter(torch.zeros(2))
-    for kwargs in ({"master_weights": True}, {"exp_avg_dtype": torch.bfloat16},
-                   {"capturable": True}, {"store_param_remainders": True}):
+    for kwargs in ({"exp_avg_dtype": torch.float16}, {"exp_avg_sq_dtype": torch.uint8},
+                   {"master_weights": True, "master_weight_dtype": torch.float16},
+                   {"capturable": True}):
         with pytest.raises(NotImplementedError, match="unsupported"):
             FusedAdam([p], **kwargs)
+
+
+def test_precision_aware_states_and_param_remainders() -> None:
+    """With master weights the update runs on the fp32 master; bf16 moments are stored
+    rounded; with ``store_param_remainders`` the master exists only as (bf16 param, int16
+    remainder), which must reproduce the fp32 master bit for bit."""
+    mod = _module()
+    FusedAdam = mod.FusedAdam
+    rng = np.random.default_rng(5)
+    p0 = torch.from_numpy(rng.standard_normal(301).astype(np.float32))
+    grads = [torch.from_numpy(rng.standard_normal(301).astype(np.float32)) for _ in range(4)]
+    runs = {}
+    for rem in (False, True):
+        p = torch.nn.Parameter(p0.to(torch.bfloat16))
+        opt = FusedAdam([p], lr=1e-2, weight_decay=0.1, master_weights=True,
+                        exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
+                        use_decoupled_grad=True, store_param_remainders=rem)
+        for g in grads:
+            p.decoupled_grad = g.clone()
+            opt.step()
+        st = opt.state[p]
+        assert st["exp_avg"].dtype == torch.bfloat16 and set(st) == {
+            "exp_avg", "exp_avg_sq", "master_param"}
+        assert st["master_param"].dtype == (torch.int16 if rem else torch.float32)
+        master = opt.get_unscaled_state(p, "master_param")
+        if rem:
+            master = mod._join(p, st["master_param"])
+        runs[rem] = (master.clone(), p.detach().clone(), st["exp_avg"].clone())
+    assert torch.equal(runs[True][0].view(torch.int32), runs[False][0].view(torch.int32))
+    assert torch.equal(runs[True][2], runs[False][2])
+    # The bf16 param: round-to-nearest-even vs. the remainder kernel's rounding differ only
+    # on exact ties, which random data does not hit.
+    assert torch.equal(runs[True][1], runs[False][1])

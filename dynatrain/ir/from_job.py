@@ -69,6 +69,7 @@ _DEFAULTS: dict[str, Any] = dict(
     use_distributed_optimizer=False, num_distributed_optimizer_instances=1,
     overlap_grad_reduce=False, ddp_bucket_size=None, use_tp_pp_dp_mapping=False, bf16=False,
     fp16=False, params_dtype=None, use_precision_aware_optimizer=False, main_params_dtype="fp32",
+    store_param_remainders=True,
     exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32", optimizer="adam", world_size=None,
     data_parallel_size=None, transformer_pipeline_model_parallel_size=None,
     pipeline_model_parallel_layout=None, ddp_pad_buckets_for_high_nccl_busbw=False,
@@ -714,16 +715,29 @@ def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:
                         "DynaTrain yet (quantile balancing: its router bias qb_beta is state "
                         "DynaTrain does not model)", _plain(balancing))
     if a["use_precision_aware_optimizer"]:
-        # TE FusedAdam keys its moments by the bf16 shard and keeps its own master param (M16
-        # optimizer/distrib_optimizer.py:440-449, 883-934); the runtime bridge reads torch
-        # Adam's state, so it would carry zeros. Refused until it reads FusedAdam's.
-        raise SpecError(label("use_precision_aware_optimizer"), "is not supported by DynaTrain "
-                        "yet (TE FusedAdam then keeps the master params itself, by default only "
-                        "as int16 remainders of the bf16 params, and its moments in other dtypes "
-                        "keyed by the bf16 shards)", True)
+        _refuse_precision_aware(a, label)
     if a["optimizer"] != "adam":
         raise SpecError("optimizer", "is not supported by DynaTrain yet (only adam's state is "
                         "modelled)", a["optimizer"])
+
+
+def _refuse_precision_aware(a: dict[str, Any], label: Callable[[str], str]) -> None:
+    """The precision-aware optimizer's states DynaTrain carries: TE FusedAdam's fp32 masters
+    and fp32/bf16 moments, keyed by the bf16 shards (M16 optimizer/distrib_optimizer.py:
+    406-449, 883-940). Int16 remainders are half a master (the other half is the bf16 param),
+    and fp16/fp8 states are scaled by factors FusedAdam does not save."""
+    if a["store_param_remainders"]:
+        raise SpecError(label("store_param_remainders"), "is not supported by DynaTrain yet "
+                        "with the precision-aware optimizer (TE FusedAdam then keeps each master "
+                        "param only as an int16 remainder of the bf16 param; run with "
+                        "--no-store-param-remainders)", True)
+    for arg, ok in (("main_params_dtype", ("fp32",)), ("exp_avg_dtype", ("fp32", "bf16")),
+                    ("exp_avg_sq_dtype", ("fp32", "bf16"))):
+        text = str(a[arg]).lower().removeprefix("torch.")
+        if _DTYPES.get(text) not in ok:
+            raise SpecError(label(arg), "is not supported by DynaTrain yet (TE FusedAdam scales "
+                            "fp16/fp8 optimizer states per tensor by factors it does not save; "
+                            f"carried: {', '.join(ok)})", _plain(a[arg]))
 
 
 def _document(a: dict[str, Any], world: Any, label: Callable[[str], str], *, training: bool,

@@ -131,6 +131,7 @@ CFG_KEYS: dict[str, Any] = {
     "sharded_state_dict_metadata": None,  # e.g. {"singleton_local_shards": True}
     "transformer_config_overrides": None,  # extra TransformerConfig kwargs, passed verbatim
     "ddp_config_overrides": None,  # extra DistributedDataParallelConfig kwargs (e.g. pad_buckets_for_high_nccl_busbw)
+    "optimizer_config_overrides": None,  # extra OptimizerConfig kwargs (live jobs: precision-aware)
     "probes": None,  # optional extra measurements, see probes.py; adds facts["probes"]
     # Transformer Engine layer specs (tests/megatron_support/te.py runs them over the CPU
     # stand-in in tests/te_standin; "local" builds never import TE).

@@ -225,10 +225,20 @@ def build(c: dict, seed: int | None = None) -> Job:
             for i, g in enumerate(gpts)]
     opt_config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR / 10, bf16=True,
                                  params_dtype=torch.bfloat16,
-                                 use_distributed_optimizer=bool(c["use_distributed_optimizer"]))
+                                 use_distributed_optimizer=bool(c["use_distributed_optimizer"]),
+                                 **_optimizer_overrides(c))
     optimizer = get_megatron_optimizer(opt_config, ddps, use_gloo_process_groups=False)
     config.finalize_model_grads_func = finalize_model_grads
     return Job(c, gpts, ddps, optimizer)
+
+
+def _optimizer_overrides(c: dict) -> dict:
+    """``optimizer_config_overrides`` with dtype names as torch dtypes (JSON carries names)."""
+    out = dict(c.get("optimizer_config_overrides") or {})
+    for k, v in out.items():
+        if isinstance(v, str) and v in ("fp32", "bf16", "fp16"):
+            out[k] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[v]
+    return out
 
 
 def _batches(c: dict, it: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -280,6 +290,17 @@ def _model_sd(job: Job) -> dict:
 
 
 _SD_META = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+
+
+def _sd_meta(job: "Job") -> dict:
+    """The checkpoint format: fully_reshardable, except for TE FusedAdam's int16 param
+    remainders, which megatron copies into fp32 buffers there and cannot load back (M16
+    optimizer/distrib_optimizer.py:1028-1064, 911-940): then core's default,
+    fully_sharded_model_space, which keeps their dtype."""
+    o = job.c.get("optimizer_config_overrides") or {}
+    if o.get("use_precision_aware_optimizer") and o.get("store_param_remainders", True):
+        return dict(_SD_META, distrib_optim_sharding_type="fully_sharded_model_space")
+    return _SD_META
 
 
 def _walk(sd, out: list) -> None:
@@ -445,7 +466,7 @@ def save_dist_checkpoint(job: Job, path: str) -> None:
 
     model_sd = _model_sd(job)
     sd = {"model": model_sd, "optimizer": job.optimizer.sharded_state_dict(
-        model_sd, is_loading=False, metadata=_SD_META)}
+        model_sd, is_loading=False, metadata=_sd_meta(job))}
     with _may_have_children():
         dist_checkpointing.save(sd, path)
 
@@ -475,7 +496,7 @@ def load_dist_checkpoint(job: Job, path: str, missing_extra_state: bool = False)
             opt._init_optimizer_states_with_dummy_values()
     model_sd = _model_sd(job)
     sd = {"model": model_sd, "optimizer": job.optimizer.sharded_state_dict(
-        model_sd, is_loading=True, metadata=_SD_META)}
+        model_sd, is_loading=True, metadata=_sd_meta(job))}
     loaded = dist_checkpointing.load(sd, path)
     missing: list[str] = []
     for i, g in enumerate(job.gpts):

@@ -106,6 +106,9 @@ def _run(cfg_a: dict, cfg_b: dict) -> list[dict]:
             job = build(spec_a)
             out["te_modules_a"] = _te_module_count(as_live(job))
             out["adam"] = _adam_classes(job.optimizer)
+            out["master_weights"] = any(
+                getattr(o.optimizer, "master_weights", False)
+                for o in getattr(job.optimizer, "chained_optimizers", None) or [job.optimizer])
             for _ in range(2):
                 train(job)
             sw = LiveSwitcher(spec_a, devices[rank], build, check, timeout=60)

@@ -4,8 +4,9 @@
 keys, shapes and dtypes) to the tensor of the running job that holds it: the bf16 module
 parameter (which, with the distributed optimizer, is a view of the DDP param buffer), the fp32
 main parameter, Adam's exp_avg/exp_avg_sq (the DistributedOptimizer's flat shard of each
-parameter, or whole TP-local tensors without it), the router's expert_bias buffer and Adam's
-step. It returns views of those tensors, never copies, except for the step (an int64 scalar
+parameter, or whole TP-local tensors without it; with the precision-aware optimizer TE
+FusedAdam's own master and bf16/fp32 moments), the router's expert_bias buffer, TE's fp8
+delayed-scaling tensors and Adam's step. It returns views of those tensors, never copies, except for the step (an int64 scalar
 read from the optimizer) and an expert_bias still in the bf16 that ``Float16Module`` cast it to
 before the first forward (megatron's router restores fp32 itself on the next forward).
 
@@ -58,8 +59,11 @@ class _Bound:
     buffers: dict[tuple[int, str], tuple[torch.nn.Module, str]] = field(default_factory=dict)
     # (chunk, name) -> (TE module, one of te_fp8.FP8_TENSORS): delayed-scaling fp8 state
     fp8: dict[tuple[int, str], tuple[torch.nn.Module, str]] = field(default_factory=dict)
-    # (chunk, name) -> (leaf megatron optimizer, its fp32 main param for this parameter)
-    mains: dict[tuple[int, str], tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    # (chunk, name) -> (leaf megatron optimizer, its fp32 main param for this parameter, the
+    # inner optimizer's key for the parameter's Adam state: the main param itself, or with the
+    # precision-aware optimizer the bf16 shard whose FusedAdam state holds the master)
+    mains: dict[tuple[int, str], tuple[Any, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
     optimizers: list = field(default_factory=list)
 
     def buffer(self, chunk: int, name: str) -> torch.Tensor:
@@ -116,12 +120,7 @@ def _bind(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
     if len(view.kinds) > 1:
         b.optimizers = _leaf_optimizers(optimizer)
         for opt in b.optimizers:
-            # TE FusedAdam then keys its moments by the bf16 shard and keeps the master param
-            # in its own state (M16 optimizer/distrib_optimizer.py:440-449, 883-934): reading
-            # them as torch Adam's would give zeros, silently.
-            if getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False):
-                raise LayoutError(f"rank {rank}: the job runs the precision-aware optimizer "
-                                  "(TE FusedAdam state), which DynaTrain does not read yet")
+            _check_precision_aware(rank, opt)
         if L.parallel.use_distributed_optimizer:
             _bind_distributed(L, rank, b, where)
         else:
@@ -173,11 +172,54 @@ def _bind_distributed(L, rank: int, b: _Bound, where: dict) -> None:
             if want.get(key) != (r.start, r.end):
                 raise LayoutError(f"rank {rank}: the optimizer owns [{r.start}, {r.end}) of "
                                   f"chunk {key[0]} {key[1]}, the layout says {want.get(key)}")
-            main = opt._get_main_param_and_optimizer_states(p)["param"]
-            b.mains[key] = (opt, main)
+            b.mains[key] = _main_of(opt, p)
     if missing := sorted(set(want) - set(b.mains)):
         raise LayoutError(f"rank {rank}: the layout gives this rank's optimizer a shard of "
                           f"{missing[:3]}, the job's optimizer has none")
+
+
+def _precision_aware(opt: Any) -> bool:
+    """TE FusedAdam holds the master params (``master_weights``): megatron's precision-aware
+    optimizer without fp8 params or with delayed scaling (M16 optimizer/__init__.py:365-387)."""
+    return bool(getattr(getattr(opt, "config", None),
+                        "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+
+
+def _check_precision_aware(rank: int, opt: Any) -> None:
+    """The precision-aware states the bridge reads and writes in place: fp32 masters and
+    fp32/bf16 moments. Int16 remainders are not masters (a master is the pair with the bf16
+    param), and fp16/fp8 states are scaled by factors TE does not save."""
+    if not _precision_aware(opt):
+        return
+    inner = opt.optimizer
+    if getattr(inner, "store_param_remainders", False):
+        raise LayoutError(f"rank {rank}: TE FusedAdam keeps the master params as int16 "
+                          "remainders of the bf16 params (store_param_remainders), which "
+                          "DynaTrain does not carry yet")
+    dtypes = getattr(inner, "name_to_dtype_map", {})
+    bad = {k: str(v) for k, v in dtypes.items()
+           if v not in (torch.float32, torch.bfloat16) or (k == "master_param"
+                                                           and v != torch.float32)}
+    if bad:
+        raise LayoutError(f"rank {rank}: TE FusedAdam states {bad} are scaled per tensor by "
+                          "factors it does not save; DynaTrain carries fp32/bf16 moments and "
+                          "fp32 masters")
+
+
+def _main_of(opt: Any, p: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(optimizer, fp32 main param, its Adam state's key) for model param ``p``. With the
+    precision-aware optimizer the inner optimizer steps the bf16 shard of the DDP param buffer
+    and keeps the master in ``state[shard]["master_param"]`` (M16 optimizer/distrib_optimizer.py:
+    406-449, 883-909), created by TE's own initializer when absent."""
+    if not _precision_aware(opt):
+        main = opt._get_main_param_and_optimizer_states(p)["param"]
+        return opt, main, main
+    group, index = opt.model_param_group_index_map[p]
+    shard = opt.optimizer.param_groups[group]["params"][index]
+    state = opt.optimizer.state[shard]
+    if "master_param" not in state:
+        opt.optimizer.initialize_state(shard, False)
+    return opt, state["master_param"], shard
 
 
 def _bind_replicated(rank: int, b: _Bound, where: dict) -> None:
@@ -194,7 +236,7 @@ def _bind_replicated(rank: int, b: _Bound, where: dict) -> None:
                 if key is None:
                     raise LayoutError(f"rank {rank}: the optimizer holds a parameter of shape "
                                       f"{list(p.shape)} that is not in the model chunks passed")
-                b.mains[key] = (opt, main)
+                b.mains[key] = (opt, main, main)
     if missing := sorted(set(b.params) - set(b.mains)):
         raise LayoutError(f"rank {rank}: no optimizer holds {missing[:3]}")
 
@@ -246,6 +288,14 @@ def _write_step(opt: Any, step: int) -> None:
 def _ensure_moments(opt: Any) -> None:
     """Give every main param its Adam moments (megatron's own initializer: zeros)."""
     inner = opt.optimizer
+    if _precision_aware(opt):
+        # TE's own initializer (moments zero, master = the param); megatron's init_state_fn
+        # calls it with one argument, which TE >= 2.1 rejects (M16 optimizer/__init__.py:391-399).
+        for g in inner.param_groups:
+            for p in g["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.initialize_state(p, False)
+        return
     if any(len(inner.state[p]) == 0 or not all(k in inner.state[p] for k in _MOMENTS)
            for g in inner.param_groups for p in g["params"]):
         if opt.init_state_fn is None:
@@ -265,10 +315,10 @@ def _live(b: _Bound, key: tuple) -> torch.Tensor | None:
         return te_fp8.live_tensor(*b.fp8[(chunk, name)])
     if kind == "buffer":
         return b.buffer(chunk, name).detach()
-    opt, main = b.mains[(chunk, name)]
+    opt, main, owner = b.mains[(chunk, name)]
     if kind == "main_param":
         return main.detach()
-    return opt.optimizer.state[main].get(kind)
+    return opt.optimizer.state[owner].get(kind)
 
 
 def extract_state(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],

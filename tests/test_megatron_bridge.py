@@ -204,6 +204,7 @@ def test_precision_aware_remainders_refused_not_read_as_masters() -> None:
     def work(rank: int) -> str:
         job = build()
         for opt in getattr(job.optimizer, "chained_optimizers", [job.optimizer]):
+            opt.config.use_precision_aware_optimizer = True
             opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
             opt.optimizer.store_param_remainders = True
         try:

@@ -185,11 +185,17 @@ def _precision_aware(opt: Any) -> bool:
                         "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
 
 
+def _any_precision_aware(opt: Any) -> bool:
+    """TE FusedAdam keeps the moments in the configured dtypes (with fp8 recipes other than
+    delayed and fp32 masters, megatron still holds the masters itself)."""
+    return bool(getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False))
+
+
 def _check_precision_aware(rank: int, opt: Any) -> None:
     """The precision-aware states the bridge reads and writes in place: fp32 masters and
     fp32/bf16 moments. Int16 remainders are not masters (a master is the pair with the bf16
     param), and fp16/fp8 states are scaled by factors TE does not save."""
-    if not _precision_aware(opt):
+    if not _any_precision_aware(opt):
         return
     inner = opt.optimizer
     if getattr(inner, "store_param_remainders", False):
@@ -288,13 +294,13 @@ def _write_step(opt: Any, step: int) -> None:
 def _ensure_moments(opt: Any) -> None:
     """Give every main param its Adam moments (megatron's own initializer: zeros)."""
     inner = opt.optimizer
-    if _precision_aware(opt):
+    if _any_precision_aware(opt):
         # TE's own initializer (moments zero, master = the param); megatron's init_state_fn
         # calls it with one argument, which TE >= 2.1 rejects (M16 optimizer/__init__.py:391-399).
         for g in inner.param_groups:
             for p in g["params"]:
                 if len(inner.state[p]) == 0:
-                    inner.initialize_state(p, False)
+                    inner.initialize_state(p, False)  # remainders: refused above
         return
     if any(len(inner.state[p]) == 0 or not all(k in inner.state[p] for k in _MOMENTS)
            for g in inner.param_groups for p in g["params"]):

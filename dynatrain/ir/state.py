@@ -3,9 +3,9 @@
 Every piece of state is a logical tensor ``(key, kind)``: ``key`` is the megatron-core checkpoint
 key, ``kind`` one of param, main_param, exp_avg, exp_avg_sq (per parameter), buffer (router
 expert_bias, TE fp8 scales and amax histories) or step (Adam's step count). Its shape is the
-checkpoint's global shape with vocab padding removed (padding rows are not data). A rank holds a tensor as ``Region``s: a box of the
-logical tensor and the slot in that rank's local storage where the box's elements sit
-(``slots``). Consumers that work on many ranks read ``Stored`` entries instead, where the
+checkpoint's global shape with vocab padding removed (padding rows are not data). A rank
+holds a tensor as ``Region``s: a box of the logical tensor and the slot in that rank's local
+storage where the box's elements sit (``slots``). Consumers that work on many ranks read ``Stored`` entries instead, where the
 layers and experts of a stage are one family region (``StackSlot``).
 
 Transformer Engine layouts: each TE module's ``_extra_state`` is not training state here. A

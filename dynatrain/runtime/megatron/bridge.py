@@ -6,9 +6,11 @@ parameter (which, with the distributed optimizer, is a view of the DDP param buf
 main parameter, Adam's exp_avg/exp_avg_sq (the DistributedOptimizer's flat shard of each
 parameter, or whole TP-local tensors without it; with the precision-aware optimizer TE
 FusedAdam's own master and bf16/fp32 moments), the router's expert_bias buffer, TE's fp8
-delayed-scaling tensors and Adam's step. It returns views of those tensors, never copies, except for the step (an int64 scalar
-read from the optimizer) and an expert_bias still in the bf16 that ``Float16Module`` cast it to
-before the first forward (megatron's router restores fp32 itself on the next forward).
+delayed-scaling tensors and Adam's step. It returns views of those tensors, never copies,
+except for the step (an int64 scalar read from the optimizer), an expert_bias still in the bf16
+that ``Float16Module`` cast it to before the first forward (megatron's router restores fp32
+itself on the next forward) and the initial fp8 scales (1) and histories (0) of a TE module
+that has not run an fp8 forward yet.
 
 ``install_state`` writes a storage into the model chunks and optimizer of the same layout in
 place, so megatron's own references (DDP param buffer, ``param.main_param``, the inner

@@ -5,11 +5,12 @@ key, ``kind`` one of param, main_param, exp_avg, exp_avg_sq (per parameter), buf
 expert_bias, TE fp8 scales and amax histories) or step (Adam's step count). Its shape is the
 checkpoint's global shape with vocab padding removed (padding rows are not data). A rank
 holds a tensor as ``Region``s: a box of the logical tensor and the slot in that rank's local
-storage where the box's elements sit (``slots``). Consumers that work on many ranks read ``Stored`` entries instead, where the
-layers and experts of a stage are one family region (``StackSlot``).
+storage where the box's elements sit (``slots``). Consumers that work on many ranks read
+``Stored`` entries instead, where the layers and experts of a stage are one family region
+(``StackSlot``).
 
-Transformer Engine layouts: each TE module's ``_extra_state`` is not training state here. A
-switch re-initialises it instead of carrying it, which is exactly what megatron's reload does
+Transformer Engine layouts: each TE module's ``_extra_state`` object is not training state
+here. A switch re-initialises it instead of carrying it, which is exactly what megatron's reload does
 with fp8 off: TE saves an empty uint8 tensor (TE module/base.py:1385-1389, ops/op.py:702-703),
 loading an empty tensor returns without touching the module (base.py:1429-1431), and megatron's
 grouped-linear load hook returns early when there is no fp8 state (M16 extensions/

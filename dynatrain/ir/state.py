@@ -9,16 +9,16 @@ storage where the box's elements sit (``slots``). Consumers that work on many ra
 ``Stored`` entries instead, where the layers and experts of a stage are one family region
 (``StackSlot``).
 
-Transformer Engine layouts: each TE module's ``_extra_state`` object is not training state
-here. A switch re-initialises it instead of carrying it, which is exactly what megatron's
-reload does with fp8 off: TE saves an empty uint8 tensor (TE module/base.py:1385-1389,
-ops/op.py:702-703), loading an empty tensor returns without touching the module
-(base.py:1429-1431), and megatron's grouped-linear load hook returns early when there is no
-fp8 state (M16 extensions/transformer_engine.py:1553-1641). So a freshly built destination module already holds what a
-reload would give it (tests/test_te_parity.py checks both facts against megatron). With fp8
+Transformer Engine layouts: each TE module's ``_extra_state`` object is not training state here. A
+switch re-initialises it instead of carrying it, which is exactly what megatron's reload does with
+fp8 off: TE saves an empty uint8 tensor (TE module/base.py:1385-1389, ops/op.py:702-703), loading
+an empty tensor returns without touching the module (base.py:1429-1431), and megatron's
+grouped-linear load hook returns early when there is no fp8 state (M16
+extensions/transformer_engine.py:1553-1641). So a freshly built destination module already holds
+what a reload would give it (tests/test_te_parity.py checks both facts against megatron). With fp8
 delayed scaling the extra state holds scales and amax histories: those are state here, four
-``buffer`` tensors per TE GEMM module (``model.fp8_meta_buffers``), replicated over TP and DP
-as megatron's amax reduction keeps them (docs/spec.md).
+``buffer`` tensors per TE GEMM module (``model.fp8_meta_buffers``), replicated over TP and DP as
+megatron's amax reduction keeps them (docs/spec.md).
 """
 
 from __future__ import annotations

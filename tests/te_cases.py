@@ -185,10 +185,14 @@ def random_cases() -> list[dict]:
     return random_feature_cases(30)
 
 
+TRAIN_SEQ = 8  # megatron_support.live.SEQ: the sequence length the live harness trains
+
+
 def random_fp8_delayed_cases(n: int, max_world: int = 4) -> list[dict]:
     """``n`` small random dense TE jobs training with fp8 delayed scaling, drawn
     (reproducibly) by the gate's own strategies; without context parallelism (the CPU core
-    attention has none) and with VPP only up to PP 2 (the live harness trains 2 microbatches)."""
+    attention has none) and with VPP only up to PP 2 (the live harness trains 2 microbatches);
+    models megatron could not train on the harness's sequences are left out."""
     from hypothesis import HealthCheck, Phase, assume, given, settings
     from hypothesis import strategies as st
     from strategies import _spec, layouts, models
@@ -203,9 +207,16 @@ def random_fp8_delayed_cases(n: int, max_world: int = 4) -> list[dict]:
             model.pop("num_query_groups", None)
         doc = draw(layouts(model, max_world=max_world))
         assume(doc["parallel"].get("cp", 1) == 1)
-        p = _spec(doc).parallel
+        spec = _spec(doc)
         # The harness trains 2 microbatches; the interleaved schedule needs at least pp.
-        assume(p.vpp is None or p.pp <= 2)
+        assume(spec.parallel.vpp is None or spec.parallel.pp <= 2)
+        # What megatron can train on the harness's sequences: rotary embeddings rotate pairs
+        # (an even head size), learned positions cover the sequence.
+        m = spec.model
+        rotary = m.qk_pos_emb_head_dim if m.multi_latent_attention else m.head_dim
+        assume(m.position_embedding_type != "rope" or rotary % 2 == 0)
+        assume(m.position_embedding_type != "learned_absolute"
+               or m.max_position_embeddings >= TRAIN_SEQ)
         return doc
 
     drawn: list[dict] = []

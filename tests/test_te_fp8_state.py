@@ -14,13 +14,16 @@ and training must have moved them off their initial values.
 from __future__ import annotations
 
 import pytest
-from te_cases import random_fp8_delayed_cases
+from te_cases import TRAIN_SEQ, random_fp8_delayed_cases
 
 pytest.importorskip("megatron.core")
 te_fp8_state = pytest.importorskip("megatron_support.te_fp8_state")
 
 
 def test_random_fp8_jobs_keep_the_irs_replicated_fp8_state() -> None:
+    from megatron_support.live import SEQ
+
+    assert TRAIN_SEQ == SEQ  # the cases are filtered for what the harness trains
     cases = random_fp8_delayed_cases(6)
     assert len(cases) == 6
     results = te_fp8_state.te_fp8_state(cases)

@@ -106,8 +106,32 @@ def test_te_live_switch_equals_megatron_checkpoint_reload(name: str) -> None:
         if "fp8" in cfg_a:  # fp8 really ran; delayed scales moved off their initial 1.0
             assert res["fp8_ran_modules"] > 0, rank
             assert (res["fp8_scaled_modules"] > 0) == (cfg_a["fp8_recipe"] == "delayed"), rank
+            # TE's global amax registrations: only the two jobs training now, under
+            # megatron's current group (the commit dropped the source job's)
+            assert res["stale_keys"] == [] and res["registered"] == res["delayed_modules"], (
+                rank, res["stale_keys"][:2], res["registered"], res["delayed_modules"])
     # Every rank of A's last pipeline stage saw a loss while the switch was planned.
     a = Layout(to_te_spec(cfg_a))
     last = [r for r in range(a.world) if a.coords(r).pp == a.parallel.pp - 1]
     assert [r for r, res in enumerate(results) if res["losses_during_prepare"]] == last
     assert any(r["losses"][0] for r in results), "no rank saw a loss"
+
+
+def test_fp8_job_trains_on_after_a_rolled_back_switch() -> None:
+    """A switch whose destination build fails on one process sends every process back to the
+    source layout with new process groups. TE registered each delayed-scaling module under the
+    old amax-reduction group and reduces every registration at each autocast exit, so the
+    rollback must make the modules register again (``te_fp8.forget_groups``): the next fp8
+    iteration then runs and updates the scales with every registration under the new group.
+    (Stale registrations would keep reducing over the old groups, which megatron's
+    ``destroy_model_parallel`` only forgets; a world change destroys them for real.)"""
+    cfg_a, cfg_b, _ = SWITCHES["fp8-delayed-tp2-dp2->pp2-dp2"]
+    results = te_live.te_live_rollback(cfg_a, cfg_b)
+    assert len(results) == cfg_a["world"]
+    for rank, res in enumerate(results):
+        assert "building the destination failed" in res["failed"], (rank, res["failed"])
+        assert res["fp8_modules"] > 0 and res["scales_moved"], rank
+        # registered again under the new group, each module once
+        assert res["stale_keys"] == [] and res["registered"] == res["delayed_modules"] > 0, (
+            rank, res["stale_keys"][:2], res["registered"], res["delayed_modules"])
+    assert any(r["losses"] for r in results)

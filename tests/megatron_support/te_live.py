@@ -38,6 +38,86 @@ def te_live_switch(cfg_a: dict, cfg_b: dict, timeout: float = 300.0) -> list[dic
                      "TE live-switch")
 
 
+def te_live_rollback(cfg_a: dict, cfg_b: dict, timeout: float = 300.0) -> list[dict]:
+    """Per rank: a switch of ``cfg_a`` -> ``cfg_b`` whose destination build fails on rank 0,
+    and what training the source job afterwards gave (see ``_rollback``)."""
+    return run_child("megatron_support.te_live", {"a": cfg_a, "b": cfg_b, "rollback": True},
+                     timeout, "TE live rollback")
+
+
+def _rollback(cfg_a: dict, cfg_b: dict) -> list[dict]:
+    """Train A two iterations, ask for B with a destination build that raises on rank 0 (every
+    process then goes back to A, with new process groups), then train A on: with fp8 delayed
+    scaling TE's global amax reductions must run over the new groups."""
+    from te_cases import to_te_spec
+
+    from dynatrain.ir.layout import Layout
+    from dynatrain.runtime.megatron import LiveSwitcher, MegatronJob, SwitchFailed
+    from dynatrain.verify.check import check
+    from megatron_support import live
+
+    spec_a, spec_b = to_te_spec(cfg_a), to_te_spec(cfg_b)
+    c_a = live.resolve(_harness_cfg(cfg_a))
+    devices = Layout(spec_a).devices
+
+    def work(rank: int) -> dict:
+        jobs: dict[int, live.Job] = {}
+
+        def build(spec) -> MegatronJob:
+            if spec.name != spec_a.name:  # the destination: fails on rank 0, not built here
+                if rank == 0:
+                    raise RuntimeError("injected: the destination build fails on rank 0")
+                return MegatronJob([], None, None)
+            j = live.build(c_a, seed=c_a["seed"])
+            jobs[id(j.optimizer)] = j
+            return MegatronJob(j.ddps, j.optimizer, None)
+
+        live.init_parallel(c_a)
+        job = build(spec_a)
+        lj = jobs[id(job.optimizer)]
+        for it in range(2):
+            live.train_step(lj, it)
+        job.iteration = 2
+        sw = LiveSwitcher(spec_a, devices[rank], build, check, timeout=60)
+        sw.prepare(spec_b).result()
+        try:
+            sw.switch(job)
+            failed = ""
+        except SwitchFailed as err:
+            failed = str(err)
+        scales = _fp8_scales(lj)
+        losses = live.train_step(lj, 2)
+        return {"failed": failed, "losses": losses,
+                "scales_moved": _fp8_scales(lj) != scales, "fp8_modules": _fp8_ran(lj),
+                **_fp8_registrations([lj])}
+
+    return live.run_workers(work, len(devices), timeout=240)
+
+
+def _fp8_registrations(jobs: list) -> dict:
+    """TE's global delayed-scaling registrations against the jobs that train now: keys naming
+    another amax-reduction group than megatron's current one (stale), and registered modules
+    against the jobs' delayed-scaling modules."""
+    from megatron.core import parallel_state as ps
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    from dynatrain.runtime.megatron.te_fp8 import has_delayed_state
+
+    group = ps.get_amax_reduction_group(with_context_parallel=True, tp_only_amax_red=False)
+    buffers = FP8GlobalStateManager.quantization_state.global_amax_buffer
+    return {"stale_keys": [k for k in buffers if f"group={id(group)}" not in k],
+            "registered": sum(len(v) for k, v in buffers.items() if k.startswith("forward_")),
+            "delayed_modules": sum(has_delayed_state(m) for j in jobs for g in j.gpts
+                                   for m in g.modules())}
+
+
+def _fp8_scales(job) -> list:
+    from dynatrain.runtime.megatron.te_fp8 import has_delayed_state
+
+    return [m.fp8_meta["scaling_fwd"].scale.tolist() for g in job.gpts for m in g.modules()
+            if has_delayed_state(m)]
+
+
 def _harness_cfg(cfg: dict) -> dict:
     from matrix import to_harness_cfg
 
@@ -140,6 +220,8 @@ def _run(cfg_a: dict, cfg_b: dict) -> list[dict]:
             out["pre"] = live.native_diffs(s_ref, s_new)
             out["losses"] = [train(new), train(ref)]
             out["post"] = live.native_diffs(state(ref), state(new))
+            if "fp8" in cfg_a:
+                out.update(_fp8_registrations([as_live(new), as_live(ref)]))
             return out
 
         return live.run_workers(work, len(devices), timeout=240)
@@ -180,7 +262,7 @@ def _main(src: str, dst: str) -> None:
 
     with open(src) as f:
         req = json.load(f)
-    results = _run(req["a"], req["b"])
+    results = (_rollback if req.get("rollback") else _run)(req["a"], req["b"])
     with open(dst, "w") as f:
         json.dump(results, f)
 

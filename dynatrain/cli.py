@@ -632,6 +632,33 @@ def cmd_switch(args: argparse.Namespace) -> int:
     return got.exit_code
 
 
+def cmd_notice(args: argparse.Namespace) -> int:
+    """Tell a running job that devices go away; print its answer in one line."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # as ``cmd_switch``
+    import math
+
+    from .ir.devices import parse_device_list
+    from .ir.loader import spec_from_dict
+    from .runtime.megatron.requests import connect, post_notice, wait_answer
+
+    if not args.timeout > 0 or not args.connect_timeout > 0:
+        raise DynatrainError("--timeout, --connect-timeout: must be seconds > 0")
+    if not (math.isfinite(args.deadline) and args.deadline > 0):
+        raise DynatrainError(f"--deadline: the seconds until the devices go away must be a "
+                             f"number > 0 (got {args.deadline!r})")
+    store = connect(args.store, args.connect_timeout)
+    if not store.check(["current"]):
+        raise DynatrainError(f"--store {args.store}: no job posts its layout there (is the job "
+                             "running with LiveControl, under this prefix?)")
+    world = spec_from_dict(json.loads(store.get("current"))["spec"]).world
+    leaving = parse_device_list(args.leaving, "--leaving", gpus_per_node=world.gpus_per_node,
+                                listed=world.devices)
+    n = post_notice(store, leaving, args.deadline, source=f"dynatrain notice {args.leaving}")
+    got = wait_answer(store, n, args.timeout)
+    print(f"request {n}: {got.line}")
+    return got.exit_code
+
+
 DEFAULT_BUDGET = "2GiB"
 DEFAULT_TOPOLOGY = "h100"
 BUDGET_HELP = ("staging memory per device, e.g. 2GiB or 512MiB (default 2GiB; a bare number "
@@ -784,6 +811,21 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--connect-timeout", type=float, default=10.0,
                     help="seconds to wait for the store to answer (default 10)")
     sw.set_defaults(func=cmd_switch)
+    no = sub.add_parser("notice", help="tell a running job (LiveControl) that devices go away: "
+                                       "it switches to the best layout on the rest before the "
+                                       "deadline; exit 0 switched, 2 refused, 4 failed and "
+                                       "rolled back or no answer")
+    no.add_argument("--leaving", required=True, metavar="DEVICES",
+                    help="the devices or nodes that go away, e.g. node3 or node1:gpu4-7")
+    no.add_argument("--deadline", required=True, type=float, metavar="SECONDS",
+                    help="seconds from now until they are gone")
+    no.add_argument("--store", required=True, metavar="HOST:PORT[/PREFIX]",
+                    help="the job's store and the prefix of its rendezvous (as for switch)")
+    no.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds to wait for the job's answer (default 600)")
+    no.add_argument("--connect-timeout", type=float, default=10.0,
+                    help="seconds to wait for the store to answer (default 10)")
+    no.set_defaults(func=cmd_notice)
     return ap
 
 

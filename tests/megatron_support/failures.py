@@ -300,3 +300,40 @@ def notice_worker(base: dict, device: str, devices: list[str], leaving: list[str
         return out
 
     return fn
+
+
+def store_notice_worker(base: dict, device: str, devices: list[str], port: int,
+                        global_batch: int, timeout: float, collective: float):
+    """A job under ``LiveControl`` on a TCPStore the test hosts at ``port``: it trains and
+    takes up the notices and requests a client posts there, until the client sets
+    ``test-stop``. Returns the layouts it trained in, its iterations and its role."""
+    def fn(_file_store) -> dict:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from dynatrain.runtime.megatron.control import LiveControl
+
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective)
+        ctl = LiveControl(sw)
+        layouts = []
+        while True:
+            job = ctl.boundary(job)
+            if job is None:  # this device left the job
+                sw.close()
+                return {"role": "left", "layouts": layouts}
+            layouts.append(sw.spec.name)
+            stop = torch.tensor([int(sw.leader and sw.rendezvous.has("test-stop"))])
+            dist.broadcast(stop, src=0)
+            if stop.item() or job.iteration >= 500:
+                break
+            tr.step(job)
+            time.sleep(0.05)  # leave the cores to the client (a CPU machine is shared)
+        sw.close()
+        return {"role": "stayed", "layouts": layouts, "iteration": job.iteration,
+                "devices": list(sw.layout.devices)}
+
+    return fn

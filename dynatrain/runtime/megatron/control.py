@@ -8,8 +8,11 @@ boundary. It
    verified in the background while the job trains);
 2. takes up at most one request from the store: rank 0 reads it and refuses at once what cannot
    run (a spec that does not parse, devices that are neither in the job nor waiting as spares,
-   a switch already under way), then tells every process the request's number in one broadcast
-   of two integers, so all of them act on the same request at the same boundary;
+   a switch already under way; for a preemption notice, a deadline already passed, devices not
+   in the job, no layout on the rest), then tells every process the request's number (and a
+   notice's milliseconds left) in one broadcast of three integers, so all of them act on the
+   same request at the same boundary. For a notice, rank 0 picks the layout (the top of
+   ``suggest`` on the devices that stay) and posts it; every process prepares that one;
 3. switches when the switch is due: a scheduled one at its iteration, a requested one at the
    first boundary where every process has its plan ready (an all-reduce of one flag).
 
@@ -17,13 +20,14 @@ It returns the job to train on (``None`` on a process whose device left: it may 
 with ``LiveSwitcher.join``); ``last`` holds the last switch's result or failure. Rank 0 answers
 each request: switched (exit 0), refused (2: the job never started it, e.g. a spec of another
 model, refused by the planner) or failed (4: it started and was rolled back; the job trains on
-in its previous layout).
+in its previous layout). A notice's answer says whether the switch ended before the deadline.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -32,7 +36,7 @@ from ...ir.errors import EXIT_BAD_INPUT, DynatrainError
 from ...ir.layout import Layout
 from ...ir.loader import spec_from_dict, spec_to_dict
 from ...ir.spec import LayoutSpec
-from .job import MegatronJob, SwitchFailed, SwitchResult
+from .job import MegatronJob, Notice, SwitchFailed, SwitchResult
 from .live import LiveSwitcher
 from .requests import answer
 
@@ -42,6 +46,7 @@ class _Pending:
     spec: LayoutSpec
     due: int | None  # the scheduled iteration; None: a request, due once every plan is ready
     request: int | None  # the request's number in the store
+    notice: Notice | None = None  # the preemption notice it meets
 
 
 def _first_line(err: BaseException) -> str:
@@ -110,28 +115,50 @@ class LiveControl:
                     "failed": "failed and rolled back, the job trains on:"}[outcome]
             answer(self.sw.rendezvous.store, n, outcome, f"{what} {line}")
 
-    def _look(self) -> tuple[int, int]:
-        """Rank 0: the next request's number (0: none) and whether the job takes it (1)."""
+    def _look(self) -> tuple[int, int, int]:
+        """Rank 0: the next request's number (0: none), whether the job takes it (1) and, for a
+        notice, the milliseconds left before its deadline."""
         rdzv = self.sw.rendezvous
         # Requests answered already (e.g. before this process became rank 0) are passed over.
         while rdzv.count("requests") > self._handled and rdzv.has(f"answer/{self._handled + 1}"):
             self._handled += 1
         if rdzv.count("requests") <= self._handled:
-            return 0, 0
+            return 0, 0, 0
         self._handled += 1
         n = self._handled
         doc = rdzv.read(f"request/{n}")
         if doc is None:  # numbered, not yet written: look again at the next boundary
             self._handled -= 1
-            return 0, 0
+            return 0, 0, 0
+        ms_left = 0
         try:
             refusal = self._refusal(doc)
+            if refusal is None and "notice" in doc:
+                ms_left, refusal = self._choose_for_notice(n, doc["notice"])
         except DynatrainError as err:
             refusal = _first_line(err)
         if refusal is not None:
             answer(rdzv.store, n, "refused", f"refused: {refusal}")
-            return n, 0
-        return n, 1
+            return n, 0, 0
+        return n, 1, ms_left
+
+    def _choose_for_notice(self, n: int, notice: dict) -> tuple[int, str | None]:
+        """Rank 0: the layout that meets notice ``n``, posted as ``notice/<n>``; the
+        milliseconds left and None, or 0 and why it is refused."""
+        leaving, when = notice.get("leaving"), notice.get("deadline_unix")
+        if (not isinstance(leaving, list) or not all(isinstance(d, str) for d in leaving)
+                or isinstance(when, bool) or not isinstance(when, (int, float))):
+            return 0, ("request: notice: expected {'leaving': [device names], "
+                       "'deadline_unix': seconds since the epoch}")
+        left = float(when) - time.time()
+        if not left > 0:
+            return 0, (f"notice: the deadline passed {-left:.1f} s before the job took the "
+                       "notice up (deadline_unix is on rank 0's clock)")
+        met = self.sw.check_notice(leaving, left)
+        self.sw.rendezvous.post(f"notice/{n}", {
+            "dst": spec_to_dict(met.dst_spec, Layout(met.dst_spec).devices),
+            "predicted_s": met.predicted_seconds})
+        return max(1, int(left * 1000)), None
 
     def _refusal(self, doc: dict) -> str | None:
         """Why rank 0 refuses a request before any process plans it (None: it does not)."""
@@ -139,6 +166,9 @@ class LiveControl:
             what = (f"request {self.pending.request}" if self.pending.request is not None
                     else f"the switch scheduled at iteration {self.pending.due}")
             return f"a switch is already under way ({what}); ask again when it is done"
+        if isinstance(doc, dict) and "notice" in doc:
+            return (None if isinstance(doc["notice"], dict) else
+                    "request: notice: expected {'leaving': [...], 'deadline_unix': ...}")
         if not isinstance(doc, dict) or not isinstance(doc.get("dst"), dict):
             return "request: expected a document with a 'dst' layout spec"
         dst = Layout(spec_from_dict(doc["dst"]))
@@ -169,17 +199,30 @@ class LiveControl:
             self.pending = _Pending(self.schedule.pop(due), due, None)
             self.sw.prepare(self.pending.spec)
         if self.requests:
-            n, take = self._from_leader(list(self._look()) if self.sw.leader else [0, 0])
+            n, take, ms_left = self._from_leader(list(self._look()) if self.sw.leader
+                                                 else [0, 0, 0])
             if n and take:
-                doc = self.sw.rendezvous.read(f"request/{n}")
-                self.pending = _Pending(spec_from_dict(doc["dst"]), None, n)
-                self.sw.prepare(self.pending.spec)
+                self._take(n, ms_left)
         p = self.pending
         if p is None:
             return False
         if p.due is not None:
             return p.due <= iteration
         return self._everyone(self.sw.ready())
+
+    def _take(self, n: int, ms_left: int) -> None:
+        """Every process: prepare request ``n`` (a notice: the layout rank 0 chose for it)."""
+        rdzv = self.sw.rendezvous
+        doc = rdzv.read(f"request/{n}")
+        if "notice" not in doc:
+            self.pending = _Pending(spec_from_dict(doc["dst"]), None, n)
+            self.sw.prepare(self.pending.spec)
+            return
+        chosen = rdzv.read(f"notice/{n}")
+        met = self.sw.notice(doc["notice"]["leaving"], ms_left / 1000.0,
+                             dst_spec=spec_from_dict(chosen["dst"]))
+        met = replace(met, predicted_seconds=chosen["predicted_s"])
+        self.pending = _Pending(met.dst_spec, None, n, met)
 
     def switch(self, job: MegatronJob) -> MegatronJob | None:
         """Run the switch ``due`` said is due; the job to train on (None: this device left)."""
@@ -206,7 +249,12 @@ class LiveControl:
         self.last = result
         self._publish()
         seconds = result.seconds.get("downtime", 0.0)
+        met = ""
+        if p.notice is not None:
+            left = p.notice.seconds_left()
+            met = (f"; met the notice, {left:.1f} s before its deadline" if left >= 0 else
+                   f"; ended {-left:.1f} s after the notice's deadline")
         self._answer(p.request, "switched",
                      f"{p.spec.name} on {len(Layout(p.spec).devices)} devices at "
-                     f"iteration {it} (downtime {seconds:.2f} s)", leader)
+                     f"iteration {it} (downtime {seconds:.2f} s){met}", leader)
         return result.job

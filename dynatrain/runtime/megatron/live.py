@@ -279,18 +279,31 @@ class LiveSwitcher:
                dst_spec: LayoutSpec | None = None) -> Notice:
         """A preemption notice: the ``leaving`` devices go away within ``deadline_s`` seconds.
 
-        Every process of the job calls it with the same arguments (e.g. once the leader read
-        the notice from the store and broadcast it). Takes ``dst_spec``, or the top ``suggest``
-        layout on the devices that stay, and prepares the switch in the background; the
-        training loop's next ``switch`` runs it (the leaving processes come out with role
-        "left"). ``Notice.fits()`` then says whether it was done in time; a switch that did
-        not fit still runs, and a device that is gone before it does is a failure for
-        ``recover``.
+        Every process of the job calls it with the same arguments (``LiveControl`` does so for
+        a notice posted to the store: its rank 0 checks it and picks the layout, every process
+        prepares that one). Takes ``dst_spec``, or the top ``suggest`` layout on the devices
+        that stay, and prepares the switch in the background; the training loop's next
+        ``switch`` runs it (the leaving processes come out with role "left").
+        ``Notice.fits()`` then says whether it was done in time; a switch that did not fit
+        still runs, and a device that is gone before it does is a failure for ``recover``.
 
         Raises:
-            DynatrainError (exit status 2), before anything is prepared: a deadline already
-                passed (not above 0), a device that is not in the job, no device staying, a
-                switch already being prepared, or no layout of the model on the rest.
+            DynatrainError (exit status 2), before anything is prepared: see ``check_notice``.
+        """
+        met = self.check_notice(leaving, deadline_s, dst_spec)
+        self.prepare(met.dst_spec)
+        return met
+
+    def check_notice(self, leaving: Iterable[str], deadline_s: float,
+                     dst_spec: LayoutSpec | None = None) -> Notice:
+        """What ``notice`` would prepare, prepared nowhere: the devices that leave, the layout
+        (``dst_spec`` or the top of ``suggest`` on the rest) and the deadline.
+
+        Raises:
+            DynatrainError (exit status 2): a deadline already passed (not above 0), a device
+                that is not in the job, no device named, no device staying, a switch already
+                being prepared, a ``dst_spec`` on a leaving device, or no layout of the model
+                on the rest.
         """
         if self.spec is None or self.layout is None:
             raise DynatrainError(f"{self.device} runs no rank: a notice goes to the job's "
@@ -324,7 +337,6 @@ class LiveSwitcher:
             dst_spec, predicted = found.ranked[0].spec, found.ranked[0].predicted_seconds
         elif set(Layout(dst_spec).devices) & set(gone):
             raise DynatrainError("notice: dst_spec uses a leaving device")
-        self.prepare(dst_spec)
         return Notice(gone, dst_spec, deadline, predicted)
 
     def ready(self) -> bool:

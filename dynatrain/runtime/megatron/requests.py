@@ -1,11 +1,19 @@
 """Switches asked for from outside a running job: an operator or a cluster scheduler posts a
-target layout to the job's store, the job takes it up at an iteration boundary and answers.
+target layout, or a preemption notice, to the job's store; the job takes it up at an iteration
+boundary and answers.
 
 The store is the one the job's ``Rendezvous`` uses (under torchrun the agent's TCPStore at
 ``MASTER_ADDR:MASTER_PORT``), under the same prefix. Keys (JSON documents, never pickle):
 
 * ``requests``: a counter; a client takes the next number with an atomic add;
-* ``request/<n>``: ``{"dst": <spec document>, "source": "<who asked>"}``;
+* ``request/<n>``: ``{"dst": <spec document>, "source": "<who asked>"}``, or a preemption
+  notice ``{"notice": {"leaving": ["node3:gpu0", ...], "deadline_unix": <seconds since the
+  epoch>}, "source": ...}``: those devices go away at that time (an absolute time, as schedulers
+  announce it: the job's rank 0 counts the seconds left on its own clock, so the two hosts'
+  clocks must agree, e.g. by NTP);
+* ``notice/<n>``: ``{"dst": <spec document>, "predicted_s": <seconds or null>}``, the layout
+  the job's rank 0 chose for notice ``n`` (the top of ``suggest`` on the devices that stay)
+  and its predicted downtime; every process of the job prepares that one;
 * ``current``: ``{"spec": <spec document>}``, the layout the job runs now (its rank 0 posts
   it at start and after every switch): a request starts from it to keep the job's model;
 * ``answer/<n>``: what became of it, written once by the job's rank 0:
@@ -16,7 +24,11 @@ The store is the one the job's ``Rendezvous`` uses (under torchrun the agent's T
 Exit statuses (``ir.errors``): switched 0; refused 2 (a spec that does not parse, another model,
 a layout that does not fit the devices, a switch already under way: the job never started it);
 failed 4 (the switch started and was rolled back: the job trains on in its previous layout).
-``dynatrain switch --store HOST:PORT[/prefix] dst.yaml`` is the command-line client.
+A notice is refused when its deadline has passed by the time the job takes it up, when it names
+a device that is not in the job (or every device), when no layout fits the rest, or when a
+switch is already under way; a notice that is met says whether the switch ended before the
+deadline. ``dynatrain switch --store HOST:PORT[/prefix] dst.yaml`` and ``dynatrain notice
+--store ... --leaving DEVICES --deadline SECONDS`` are the command-line clients.
 """
 
 from __future__ import annotations
@@ -81,6 +93,17 @@ def post_request(store: dist.Store, dst_doc: dict, source: str = "dynatrain swit
     """Post a switch to the layout ``dst_doc`` (a spec document); its request number."""
     n = int(store.add("requests", 1))
     store.set(f"request/{n}", json.dumps({"dst": dst_doc, "source": source}, sort_keys=True))
+    return n
+
+
+def post_notice(store: dist.Store, leaving: list[str], deadline_s: float,
+                source: str = "dynatrain notice") -> int:
+    """Post a preemption notice: ``leaving`` go away ``deadline_s`` seconds from now (sent as
+    an absolute time, ``time.time() + deadline_s``); its request number."""
+    n = int(store.add("requests", 1))
+    doc = {"notice": {"leaving": list(leaving), "deadline_unix": time.time() + deadline_s},
+           "source": source}
+    store.set(f"request/{n}", json.dumps(doc, sort_keys=True))
     return n
 
 

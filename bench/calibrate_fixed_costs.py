@@ -8,7 +8,9 @@
 Each run is ``dynatrain.runtime.local.run_local`` (what ``dynatrain run-plan`` runs: one gloo
 CPU process per device, bit-exact check) on the tiny GPT of ``specs/tiny-gpt/`` switched
 (and the same GPT 4x and 8x wider) between layouts of 4 devices, at staging budgets that give
-1 to hundreds of rounds, so that the number of rounds and the bytes vary independently. Each
+1 to hundreds of rounds, so that the number of rounds and the bytes vary independently; and on
+``runtime_bench.py``'s 40M-parameter model (its two switches, ~375 MiB moved), so that the
+wire speed is also fitted on the large messages that bench moves. Each
 (switch, budget) counts once in the fit, by its fastest repeat. From every run's per-process switch
 reports it takes the slowest process's ``total_seconds`` (the downtime of the switch call)
 and splits it:
@@ -19,7 +21,8 @@ and splits it:
   others' votes also hold their wait for it). The median over all runs.
 * **per round** (``round_fixed_us``) and **wire bandwidth** (``intra_node_GBps``): a least
   squares fit of the rest (downtime minus the per-switch part) against the plan's rounds and
-  the wire model's busiest-link bytes per round, summed over rounds.
+  the wire model's busiest-link bytes per round, summed over rounds; each run's error counts
+  relative to its downtime, so a 60 ms switch weighs as much as a 1 s one.
 
 It prints every run, the fitted constants, each run's predicted downtime with them against
 its measured one, and writes the same as JSON; the constants go into ``PRESETS["gloo-local"]``
@@ -46,6 +49,7 @@ from dynatrain.ir.state import transition_views
 from dynatrain.planner.cost import PRESETS, link_bytes, predicted_downtime
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.runtime.local import run_local
+from runtime_bench import MODEL as LLAMA_40M  # this script's folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "calibrate_fixed_costs.json"
@@ -67,13 +71,18 @@ PAIRS: dict[str, tuple[dict, dict]] = {
     "wide tp2-dp2 -> pp2-dp2": ({"tp": 2}, {"pp": 2}),
     "wide dp4 -> tp4": ({}, {"tp": 4}),
     "widest tp2-dp2 -> tp4": ({"tp": 2}, {"tp": 4}),
+    "40M tp2-dp2 -> tp4": ({"tp": 2}, {"tp": 4}),  # runtime_bench's two switches
+    "40M tp2-dp2 -> tp2-pp2": ({"tp": 2}, {"tp": 2, "pp": 2}),
 }
-QUICK_PAIRS = ("tp2-dp2 -> pp2-dp2", "pp4 -> dp4", "wide dp4 -> tp4", "widest tp2-dp2 -> tp4")
+QUICK_PAIRS = ("tp2-dp2 -> pp2-dp2", "pp4 -> dp4", "wide dp4 -> tp4", "widest tp2-dp2 -> tp4",
+               "40M tp2-dp2 -> tp4")
+LARGE = ("widest", "40M")  # run only at budgets of 4 MiB and more (else hundreds of rounds)
 BUDGETS = (64 << 20, 4 << 20, 1 << 20, 256 * KIB)  # 1 to ~40 rounds
 
 
 def _layout(name: str, par: dict) -> Layout:
-    model = WIDEST if name.startswith("widest") else WIDE if name.startswith("wide") else MODEL
+    model = (LLAMA_40M if name.startswith("40M") else WIDEST if name.startswith("widest")
+             else WIDE if name.startswith("wide") else MODEL)
     return Layout(spec_from_dict({"name": "tiny-gpt", "model": model, "parallel": par,
                                   "world": {"nodes": 1, "gpus_per_node": 4}}))
 
@@ -137,7 +146,8 @@ def fit(runs: list[dict[str, Any]]) -> dict[str, float]:
     switch_fixed = statistics.median(r["switch_fixed_s"] for r in runs)
     a = np.array([[r["rounds"], r["wire_bytes"]] for r in runs], dtype=float)
     y = np.array([r["downtime_s"] - switch_fixed for r in runs])
-    (per_round, per_byte), *_ = np.linalg.lstsq(a, y, rcond=None)
+    w = 1.0 / np.array([r["downtime_s"] for r in runs])  # relative errors
+    (per_round, per_byte), *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
     if per_round < 0 or per_byte <= 0:  # refit the one that makes sense alone
         if per_byte <= 0:
             per_byte, per_round = 1e-12, max(0.0, float(np.median(y / a[:, 0])))
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(0 if args.refit else repeats):
         for name in names:
             for budget in budgets:
-                if name.startswith("widest") and budget < 4 << 20:
+                if name.startswith(LARGE) and budget < 4 << 20:
                     continue
                 r = measure(name, budget)
                 runs.append(r)

@@ -1,6 +1,7 @@
 """Transfer fingerprints: exactly the documented formula, independent of how a segment is laid
 out in memory or cut into blocks and tiles, the same on the torch path, the Triton kernel and
-CUDA, and moved by any changed or displaced byte or segment."""
+CUDA, and moved by any changed or displaced byte or segment; on CPU, the CRC-32 of the same
+bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from unittest import mock
 
@@ -82,6 +84,28 @@ def test_odd_views_match_the_formula() -> None:
     assert not views[0].is_contiguous() and not views[1].is_contiguous()
     assert views[2].data_ptr() % 2 and views[3].stride(-1) != 1
     assert fp.fingerprint(views, CPU).tolist() == _reference([_bytes(v) for v in views])
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.tuples(st.integers(1, 6), st.integers(1, 7), st.integers(1, 40)),
+       lo=st.tuples(st.integers(0, 5), st.integers(0, 6), st.integers(0, 39)),
+       step=st.integers(1, 3), seed=st.integers(0, 2**16), block=st.sampled_from([16, 100, 4096]))
+def test_the_cpu_crc_is_zlibs_over_the_row_major_bytes(
+        shape: tuple[int, int, int], lo: tuple[int, int, int], step: int, seed: int,
+        block: int) -> None:
+    # compare_transfers on CPU: CRC-32 of the concatenated segments, whatever the strides,
+    # however the strided ones are cut into blocks.
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    view = base[lo[0] % shape[0]:, lo[1] % shape[1]::step, lo[2] % shape[2]:]
+    with mock.patch.object(fp, "BLOCK_BYTES", block), mock.patch.object(fp, "ROW_BYTES", 8):
+        assert fp.crc32([view, base]) == zlib.crc32(_bytes(view) + _bytes(base))
+    odd = _odd_views(gen)
+    assert fp.crc32(odd) == zlib.crc32(b"".join(_bytes(v) for v in odd))
+    moved = odd[0].clone()
+    moved[3] = torch.roll(odd[0][3], 1)
+    if not torch.equal(moved, odd[0]):
+        assert fp.crc32([moved]) != fp.crc32([odd[0]])
 
 
 def test_segments_larger_than_a_block_are_read_in_bounded_blocks(

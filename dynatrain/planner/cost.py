@@ -73,18 +73,19 @@ class Topology(BaseModel):
 
 H100 = Topology()
 # gloo CPU processes on this machine (``dynatrain run-plan``), calibrated by
-# bench/calibrate_fixed_costs.py: 34 switches of 4 processes (tiny GPT and 4x/8x wider, 1 to
-# 410 rounds), the fastest of 2 repeats each, on this 2-core host while quiet (load < 0.1).
-# switch_fixed_s is measured (median setup + vote); round_fixed_us and the link speed are
-# fitted. Predicted over measured downtime: median 0.95, 10-90% 0.73-1.17 (bench/README.md). A
-# round costs ~4 ms here because 4 processes take turns on 2 cores at every round's
+# bench/calibrate_fixed_costs.py: 38 switches of 4 processes (tiny GPT, 4x/8x wider and
+# runtime_bench's 40M model moving ~130 MiB per busiest link, 1 to 363 rounds), the fastest of 2
+# repeats each, on this 2-core host, fitted on relative errors. switch_fixed_s is measured
+# (median setup + vote); round_fixed_us and the link speed are fitted. Predicted over measured
+# downtime: median 0.90, 10-90% 0.66-1.22, range 0.65-1.46 (docs/benchmarks.md). A
+# round costs ~5 ms here because 4 processes take turns on 2 cores at every round's
 # synchronization. Loopback
 # TCP is one "node"; the fit cannot split network latency from the runtime's per-round cost,
 # so all of it is round_fixed_us. local_copy_GBps is assumed (one thread's memcpy; local
 # copies overlap the exchange).
-GLOO_LOCAL = Topology(name="gloo-local", intra_node_GBps=0.227, inter_node_GBps=0.227,
-                      local_copy_GBps=3.0, latency_us=0.0, switch_fixed_s=0.0229,
-                      round_fixed_us=3656.0, memory_GB=None)
+GLOO_LOCAL = Topology(name="gloo-local", intra_node_GBps=0.334, inter_node_GBps=0.334,
+                      local_copy_GBps=3.0, latency_us=0.0, switch_fixed_s=0.0307,
+                      round_fixed_us=4833.0, memory_GB=None)
 PRESETS = {"h100": H100, "h800": Topology(name="h800-8xnvlink-8x400g", intra_node_GBps=200.0),
            "gloo-local": GLOO_LOCAL}
 

@@ -20,7 +20,14 @@ trade places, or a byte or segment moved by fewer than p positions, move the sec
 accidents, not adversaries. Only the bytes and their order count: how a segment is laid out in
 memory, cut into segments or into tiles does not change the value.
 
-Computation: exact integer arithmetic, one read of every byte, no copy of a whole segment (a
+On CPU (a gloo switch: every process of it on CPU) a transfer's check is instead the CRC-32 of
+the same byte string (``zlib.crc32``, IEEE polynomial, as ``binascii.crc32`` gives it): C code
+that reads each byte once, 2.8x faster here than the sums above through torch, which must cast
+every byte to int32 first. A contiguous run is read in place; a strided view is copied block by
+block (at most ``BLOCK_BYTES``) into one contiguous buffer first. CRC-32 detects every burst of
+up to 32 changed bits and every odd number of changed bits.
+
+Computation of the sums: exact integer arithmetic, one read of every byte, no copy of a whole segment (a
 local segment can be a large share of a parameter, more than the staging budget). A segment's
 view is canonicalized (size-1 dims dropped, contiguous neighbours merged) into rows of
 ``length`` contiguous bytes, row ``j`` holding positions ``start + j * length + [0, length)``;
@@ -37,6 +44,7 @@ modulo p and summed per transfer at once, and read back with one host synchronis
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -250,6 +258,27 @@ if triton is not None:
         tl.store(out + 4, col0 - col0 + length)  # int64, even where length is the constant 1
 
 
+# ----- CPU: CRC-32 --------------------------------------------------------------------------------
+
+def crc32(views: list[torch.Tensor]) -> int:
+    """CRC-32 of segments ``views`` (uint8 CPU views), concatenated, each in row-major order.
+
+    Example:
+        >>> crc32([torch.tensor([1, 2], dtype=torch.uint8)]) == zlib.crc32(bytes([1, 2]))
+        True
+    """
+    crc = 0
+    for v in views:
+        if v.numel():
+            x = _canonical(v)
+            if x.dim() == 1:
+                crc = zlib.crc32(x.numpy(), crc)
+                continue
+            for block, _, _ in _blocks(x, 0):  # bounded copies, row-major
+                crc = zlib.crc32(block.contiguous().numpy(), crc)
+    return crc
+
+
 # ----- the check of a switch -------------------------------------------------------------------
 
 def _transfers(plan: Plan) -> Iterator[tuple[int, str, str, Transfer]]:
@@ -276,6 +305,8 @@ def compare_transfers(plan: Plan, device: str, src: ByteViews | None, dst: ByteV
         One line per transfer that differs (empty: all arrived intact).
     """
     n = max(1, sum(len(m.transfers) for rnd in plan.rounds for m in rnd.messages))
+    if on.type == "cpu":
+        return _compare_crc(plan, device, src, dst, pg, n, timeout, wait)
     sums = _Sums(on)
     mine: list[tuple[int, Transfer]] = []  # received: fingerprint n + i is mine[i]'s
     for k, src_device, dst_device, t in _transfers(plan):
@@ -290,9 +321,29 @@ def compare_transfers(plan: Plan, device: str, src: ByteViews | None, dst: ByteV
     if not mine:
         return []
     differs = (both[n:] != table[[k for k, _ in mine]]).any(1).tolist()
-    return [f"transfer {k} ({'+'.join(t.kinds)} of {_name(t.dst_slot)} {list(t.box.lo)}.."
+    return [_differs(k, t) for (k, t), bad in zip(mine, differs) if bad]
+
+
+def _compare_crc(plan: Plan, device: str, src: ByteViews | None, dst: ByteViews | None,
+                 pg: dist.ProcessGroup, n: int, timeout: float, wait: Callable) -> list[str]:
+    """``compare_transfers`` on CPU: each transfer's CRC-32, plus one so that a transfer's row
+    of the summed table is never 0 where its source wrote one."""
+    table = torch.zeros(n, dtype=torch.int64)
+    mine: list[tuple[int, Transfer, int]] = []
+    for k, src_device, dst_device, t in _transfers(plan):
+        if src_device == device:
+            table[k] = crc32(src(t.kinds, t.src_slot, t.src_anchor, t.box)) + 1
+        if dst_device == device:
+            mine.append((k, t, crc32(dst(t.kinds, t.dst_slot, t.dst_anchor, t.box)) + 1))
+    wait(dist.all_reduce(table, group=pg, async_op=True), timeout)
+    sent = table.tolist()
+    return [_differs(k, t) for k, t, got in mine if sent[k] != got]
+
+
+def _differs(k: int, t: Transfer) -> str:
+    return (f"transfer {k} ({'+'.join(t.kinds)} of {_name(t.dst_slot)} {list(t.box.lo)}.."
             f"{list(t.box.hi)} from source rank {t.src_rank}) differs at destination rank "
-            f"{t.dst_rank}" for (k, t), bad in zip(mine, differs) if bad]
+            f"{t.dst_rank}")
 
 
 def _name(slot) -> str:

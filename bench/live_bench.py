@@ -159,6 +159,8 @@ def checkpoint_switch(sw, result, path: str, ckpt: dict, store, model: str, k: i
             s.get("plan", 0.0) + s.get("verify", 0.0), float(not same),
             float(not consistent[0]), float(not consistent[1])]
     got = gather(mine + [r["bytes_received"], r["bytes_local"]])
+    phases: list = [None] * dist.get_world_size()
+    dist.all_gather_object(phases, result.phases())
     if layout.devices.index(device) == 0:
         worst = [max(g[i] for g in got) for i in range(len(mine))]
         regroup, build, load, downtime, exchange, plan_verify, differ, bad_live, bad_ckpt = worst
@@ -171,6 +173,8 @@ def checkpoint_switch(sw, result, path: str, ckpt: dict, store, model: str, k: i
                "ckpt_load_s": load, "live_downtime_s": downtime, "live_exchange_s": exchange,
                "live_plan_verify_s": plan_verify}
         rec["ckpt_load_failed"] = failure
+        # The live downtime by phase, each phase's slowest process.
+        rec["live_phases_s"] = {n: max(p.get(n, 0.0) for p in phases) for n in phases[0]}
         rec["ckpt_downtime_s"] = ckpt["save"] + regroup + build + load
         rec["live_wall_s"] = plan_verify + downtime
         store.set(f"bench/{model}/record/{k}", json.dumps(rec))
@@ -302,6 +306,10 @@ def table(model: str, recs: list[dict]) -> str:
             f"{r['ckpt_load_s']:5.2f}s {r['ckpt_downtime_s']:8.3f}s | "
             f"{r['ckpt_downtime_s'] / r['live_downtime_s']:6.1f}x "
             f"{r['ckpt_downtime_s'] / r['live_wall_s']:6.1f}x {_exact(r)}")
+    lines.append("live downtime by phase (slowest process each, s):")
+    for r in recs:
+        lines.append(f"{r['switch']}: " + ", ".join(f"{n} {s:.3f}"
+                                                    for n, s in r["live_phases_s"].items()))
     return "\n".join(lines)
 
 

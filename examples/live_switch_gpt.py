@@ -303,6 +303,11 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
     if plan is not None:
         topo = PRESETS["h100" if dist.get_backend() == "nccl" else "gloo-local"]
         rec["predicted_exchange_s"] = predicted_downtime(plan, topo).total_seconds
+    # The downtime by phase: each phase's slowest process (the phases hold each other up, so
+    # their sum is about the downtime).
+    phases: list = [None] * dist.get_world_size()
+    dist.all_gather_object(phases, result.phases())
+    rec["phases_s"] = {name: max(p.get(name, 0.0) for p in phases) for name in phases[0]}
     if sw.leader:
         note = f"  ({why})" if why else ""
         print(f"switch {rec['generation']} -> {label(sw.spec)} on {rec['processes']} processes"
@@ -311,6 +316,8 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
               + f", {plural(rec['rounds'], 'round')}), {rec['bytes_moved'] / 2**20:.2f} MiB moved + "
               f"{rec['bytes_local'] / 2**20:.2f} MiB local, {rec['joined']} joined; planned and "
               f"verified in the background in {rec['plan_verify_s']:.2f} s", flush=True)
+        print("  phases: " + ", ".join(f"{name} {s:.3f}" for name, s in rec["phases_s"].items())
+              + " s (slowest process each)", flush=True)
     return rec
 
 

@@ -38,6 +38,11 @@ SWITCHES = {
 }
 
 
+WORLD_PHASES = ["agree", "switch_group", "plan_vote", "exchange", "dst_group", "parallel_state",
+                "build", "install", "commit_vote"]
+IN_PLACE_PHASES = ["check_agree", "save_state", "parallel_state", "build", "exchange", "install"]
+
+
 def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
@@ -60,6 +65,11 @@ def test_live_example_does_every_switch(model, tmp_path):
     assert got == SWITCHES[model]
     assert [s["generation"] for s in rec["switches"]] == list(range(1, n))
     assert all(s["bytes_moved"] > 0 and s["downtime_s"] > 0 for s in rec["switches"])
+    for s in rec["switches"]:  # the downtime by phase: the phases of the switch it was
+        assert list(s["phases_s"]) in (WORLD_PHASES, IN_PLACE_PHASES), s["phases_s"]
+        assert all(v >= 0 for v in s["phases_s"].values())
+        assert sum(s["phases_s"].values()) >= 0.95 * s["downtime_s"], s
+    assert done.stdout.count("  phases: ") == n - 1
     assert len(rec["losses"]) == n and all(math.isfinite(v) for v in rec["losses"])
     # The leader printed one line per switch.
     assert [f"switch {i} -> " in done.stdout for i in range(1, n)] == [True] * (n - 1)
@@ -77,7 +87,9 @@ def test_live_bench_shortest_run(tmp_path):
     recs = res["models"]["dense"]
     assert [(r["switch"], r["to"], r["processes"]) for r in recs] == \
         [(i, name, k) for i, (name, k, _) in enumerate(SWITCHES["dense"], 1)]
+    assert done.stdout.count("live downtime by phase") == 1
     for r in recs:
+        assert list(r["live_phases_s"]) in (WORLD_PHASES, IN_PLACE_PHASES), r
         assert r["live_params_match_main"], r
         assert r["live_downtime_s"] > 0 and r["ckpt_downtime_s"] > 0 and r["bytes_moved"] > 0
         if not r["bit_exact"]:  # then megatron's reload is the wrong side

@@ -121,6 +121,26 @@ class SwitchResult:
     # bytes and what this rank refilled from the checkpoint (empty after a switch).
     recovery: dict = field(default_factory=dict)
 
+    # ``seconds`` keys that are not phases of the downtime: planned in the background, or
+    # measured inside a phase.
+    NOT_PHASES = ("plan", "verify", "check", "downtime")
+
+    def phases(self) -> dict[str, float]:
+        """This process's downtime by phase, in the order they ran; their sum is
+        ``seconds["downtime"]`` up to the bookkeeping between them.
+
+        Same devices: ``check_agree`` (the job check against the IR, binding the source state,
+        agreeing on the plan's digest), ``save_state`` (what a rollback restores),
+        ``parallel_state`` (megatron's groups for the destination), ``build`` (the destination
+        job, and the vote that every process built it), ``exchange``, ``install`` (the step,
+        the scheduler, counters, and the commit vote). Another world: ``agree``,
+        ``switch_group``, ``plan_vote``, ``exchange``, ``dst_group``, ``parallel_state``,
+        ``build``, ``install``, ``commit_vote``. A recovery: ``detect``, ``agree``,
+        ``prepare``, ``switch_group``, ``exchange``, ``refill`` or ``reload``,
+        ``commit_vote``, ``dst_group``, ``build``, ``install``.
+        """
+        return {k: v for k, v in self.seconds.items() if k not in self.NOT_PHASES}
+
 
 class SwitchFailed(DynatrainError):
     """A switch did not happen; every process is back in the source layout.

@@ -101,6 +101,8 @@ from .bridge import bind_state, extract_state, install_step
 from .check_job import check_job
 from .job import (Builder, GlobalState, MegatronJob, Notice, Prepared, Refill, SwitchFailed,
                   SwitchResult, TrainState, Verifier, carried, carry_into, parallel_kwargs)
+from .groups_ahead import GroupsAhead
+from .groups_ahead import resync as resync_groups, supported as groups_ahead_supported
 from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
 from . import te_fp8
@@ -179,6 +181,10 @@ class LiveSwitcher:
         global_state: what ``build`` changes outside the job (Megatron-LM's ``args``, its
             micro-batch calculator, RNG streams): saved before each switch and restored when
             the switch fails, so the job trains on exactly as before (``job.GlobalState``).
+        groups_ahead: for a same-devices switch on gloo, ``prepare`` records the process
+            groups megatron makes for the destination and creates them in a background thread
+            while the job trains; the switch then takes them instead of creating them
+            (``groups_ahead.GroupsAhead``). False: create them at the switch.
 
     Example:
         >>> sw = LiveSwitcher(spec_a, "node0:gpu3", build, check, rendezvous=rdzv)  # doctest: +SKIP
@@ -196,7 +202,7 @@ class LiveSwitcher:
                  slices: bool = True, global_state: GlobalState | None = None,
                  train_state: TrainState | None = None,
                  collective_timeout: float | None = None,
-                 abort_after: float | None = None) -> None:
+                 abort_after: float | None = None, groups_ahead: bool = True) -> None:
         self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
         if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
@@ -215,6 +221,8 @@ class LiveSwitcher:
         self.collective_timeout = None if minutes is None else 60.0 * float(minutes)
         self.check_transfers = check_transfers
         self.slices, self.global_state = slices, global_state
+        self.groups_ahead = groups_ahead
+        self._ahead: GroupsAhead | None = None  # the prepared switch's groups, being created
         self._cuda_device = job_cuda_device()  # here: the planning thread has its own device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynatrain-plan")
         self._pending: Future[Prepared] | None = None
@@ -223,6 +231,7 @@ class LiveSwitcher:
         self._watch: int | None = None  # a spare's next announcement to look at
         self.refill, self.train_state = refill, train_state
         self.check_seconds: float | None = None  # the last switch's check_job, for reports
+        self.groups_taken = 0  # megatron groups the last in-place switch took ready-made
         self._heartbeat = self.liveness = None
         if heartbeat is not None:
             if rendezvous is None or not heartbeat > 0:
@@ -273,7 +282,24 @@ class LiveSwitcher:
             self._open = generation
         self._pending = self._pool.submit(self._prepare, self.spec, self.layout, dst_spec,
                                           generation)
+        self._start_groups_ahead(dst_spec)
         return self._pending
+
+    def _start_groups_ahead(self, dst_spec: LayoutSpec) -> None:
+        """Start creating the destination's megatron groups (same devices, gloo)."""
+        if self._ahead is not None:  # a superseded switch's: it must be done first (its
+            ok = self._ahead.ready(self.timeout)  # thread creates groups too)
+            self._ahead = None
+            if not self._all_built(ok):
+                resync_groups(self.group)
+        dst_devices = Layout(dst_spec).devices
+        same = dst_devices == self.layout.devices == tuple(sorted(dst_devices))
+        if not (self.groups_ahead and same and groups_ahead_supported(self.init_kwargs)):
+            return
+        try:
+            self._ahead = GroupsAhead({**parallel_kwargs(dst_spec), **self.init_kwargs})
+        except Exception:  # noqa: BLE001 — megatron refuses the layout: the switch says so
+            self._ahead = None
 
     def notice(self, leaving: Iterable[str], deadline_s: float,
                dst_spec: LayoutSpec | None = None) -> Notice:
@@ -509,9 +535,21 @@ class LiveSwitcher:
         saved = self._save_global()
         t.append(time.perf_counter())
         new = dst = failure = None
+        ahead, self._ahead = self._ahead, None
+        if self.groups_ahead and groups_ahead_supported(self.init_kwargs):
+            # Groups made ahead only if every process has all of its own (one all-reduce).
+            if not self._all_built(ahead is not None and ahead.ready(self.timeout)):
+                ahead = None
+                resync_groups(self.group)
+        else:
+            ahead = None
         try:
             ps.destroy_model_parallel()
-            ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **self.init_kwargs)
+            if ahead is not None:
+                self.groups_taken = ahead.initialize()
+            else:
+                self.groups_taken = 0
+                ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **self.init_kwargs)
             t.append(time.perf_counter())
             new = self.build(prep.dst_spec)
             dst = bind_state(dst_view, self.rank, new.model_chunks, new.optimizer)
@@ -559,10 +597,11 @@ class LiveSwitcher:
         t.append(time.perf_counter())
         te_fp8.forget_groups()  # the source job's TE fp8 registrations name its old groups
         self._after(prep, "stayed")
-        names = ("agree", "extract", "parallel_state", "build", "exchange", "install")
+        names = ("check_agree", "save_state", "parallel_state", "build", "exchange", "install")
         seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
         seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
                        check=self.check_seconds or 0.0, downtime=t[-1] - t[0])
+        report["groups_ahead"] = self.groups_taken
         return SwitchResult(new, report, seconds, "stayed", prep.generation)
 
     def _all_built(self, ok: bool) -> bool:

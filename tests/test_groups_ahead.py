@@ -1,0 +1,123 @@
+"""Megatron's process groups of a switch's destination, made while the job trains
+(``runtime.megatron.groups_ahead``): recording them leaves megatron's parallel state as it was;
+the groups made in the background are exactly the ones megatron makes itself (same ranks for
+every group megatron hands out) and carry collectives; megatron asking for other groups than
+recorded is refused; and a live same-devices switch takes them ready-made and still equals
+megatron's own reload bit for bit (``test_live_switcher``, ``test_te_live`` run with the
+default ``groups_ahead=True``; the example's in-place switch reports how many it took).
+
+Four forked gloo processes: TP2·DP2 with gloo twins, switching to PP2·EP2 and to CP2·TP2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from dynatrain.runtime.megatron.groups_ahead import GroupsAhead, record, supported
+from megatron_support import live
+
+SRC = dict(tensor_model_parallel_size=2, create_gloo_process_groups=True)
+DESTINATIONS = [
+    dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+         create_gloo_process_groups=True),
+    dict(context_parallel_size=2, tensor_model_parallel_size=2, create_gloo_process_groups=True),
+]
+GETTERS = {
+    "tp": ps.get_tensor_model_parallel_group,
+    "pp": ps.get_pipeline_model_parallel_group,
+    "dp": lambda: ps.get_data_parallel_group(),
+    "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+    "dp_gloo": lambda: ps.get_data_parallel_group_gloo(),
+    "cp": ps.get_context_parallel_group,
+    "mp": ps.get_model_parallel_group,
+    "embedding": ps.get_embedding_group,
+    "ep": ps.get_expert_model_parallel_group,
+    "etp": ps.get_expert_tensor_parallel_group,
+    "edp": ps.get_expert_data_parallel_group,
+}
+
+
+def _groups() -> dict[str, tuple[int, ...]]:
+    """Each of megatron's groups (that this process is in) by the ranks it holds."""
+    out = {}
+    for name, get in GETTERS.items():
+        g = get()
+        out[name] = tuple(dist.get_process_group_ranks(g)) if g is not None else None
+    return out
+
+
+def _sum_over(group) -> float:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+def _work(rank: int) -> dict:
+    ps.initialize_model_parallel(**SRC)
+    out: dict = {"supported": supported(SRC), "cases": []}
+    for dst in DESTINATIONS:
+        before, tp = _groups(), ps.get_tensor_model_parallel_group()
+        ahead = GroupsAhead(dst)
+        # The job trains on in its own groups while the destination's are being made.
+        during = _sum_over(ps.get_tensor_model_parallel_group())
+        kept = _groups() == before and ps.get_tensor_model_parallel_group() is tp
+        ready = ahead.ready(60)
+        ps.destroy_model_parallel()
+        taken = ahead.initialize()
+        ahead_groups = _groups()
+        sums = (_sum_over(ps.get_tensor_model_parallel_group()),
+                _sum_over(ps.get_data_parallel_group_gloo()))
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(**dst)  # megatron's own groups, made now
+        own = _groups()
+        own_sums = (_sum_over(ps.get_tensor_model_parallel_group()),
+                    _sum_over(ps.get_data_parallel_group_gloo()))
+        out["cases"].append({"calls": len(ahead.calls), "taken": taken, "ready": ready,
+                             "kept": kept, "during": during, "equal": ahead_groups == own,
+                             "sums": sums == own_sums, "groups": ahead_groups})
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(**SRC)
+    # Megatron asking for other groups than recorded is refused, before any is handed out
+    # for the wrong call.
+    wrong = GroupsAhead(DESTINATIONS[0])
+    wrong.ready(60)
+    wrong.init = dict(DESTINATIONS[1])
+    ps.destroy_model_parallel()
+    try:
+        wrong.initialize()
+        out["wrong"] = None
+    except RuntimeError as err:
+        out["wrong"] = str(err)
+    ps.destroy_model_parallel()
+    # Recording alone touches no group: as many groups exist before as after.
+    ps.initialize_model_parallel(**SRC)
+    n = len(dist.distributed_c10d._world.pg_map)
+    record(DESTINATIONS[0])
+    out["no_new_groups"] = len(dist.distributed_c10d._world.pg_map) == n
+    return out
+
+
+def test_groups_made_ahead_are_megatrons_own() -> None:
+    got = live.run_workers(_work, 4, timeout=240)
+    for r in got:
+        assert r["supported"] and r["no_new_groups"], r
+        for case in r["cases"]:
+            assert case["ready"] and case["kept"] and case["equal"] and case["sums"], case
+            assert case["taken"] == case["calls"] > 10, case
+            assert case["during"] == 3.0 or case["during"] == 7.0  # TP2 of ranks 0+1 / 2+3
+        assert "differs from the recorded one" in r["wrong"], r["wrong"]
+    # Both destinations really are other groups than the source's.
+    assert got[0]["cases"][0]["groups"]["pp"] == (0, 2)
+    assert got[0]["cases"][1]["groups"]["cp"] == (0, 2)
+
+
+@pytest.mark.parametrize("backend", ["nccl"])
+def test_not_on_nccl(backend, monkeypatch) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
+    assert not supported({})
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    assert supported({}) and not supported({"sharp_enabled_group": "dp"})

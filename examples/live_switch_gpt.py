@@ -308,6 +308,9 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
     phases: list = [None] * dist.get_world_size()
     dist.all_gather_object(phases, result.phases())
     rec["phases_s"] = {name: max(p.get(name, 0.0) for p in phases) for name in phases[0]}
+    # Megatron's groups of a same-devices switch, made while the job trained (LiveSwitcher's
+    # groups_ahead): how many this process took ready-made.
+    rec["groups_ahead"] = int(r.get("groups_ahead", 0))
     if sw.leader:
         note = f"  ({why})" if why else ""
         print(f"switch {rec['generation']} -> {label(sw.spec)} on {rec['processes']} processes"
@@ -316,8 +319,10 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
               + f", {plural(rec['rounds'], 'round')}), {rec['bytes_moved'] / 2**20:.2f} MiB moved + "
               f"{rec['bytes_local'] / 2**20:.2f} MiB local, {rec['joined']} joined; planned and "
               f"verified in the background in {rec['plan_verify_s']:.2f} s", flush=True)
+        ahead = (f"; {rec['groups_ahead']} of megatron's groups made while training"
+                 if rec["groups_ahead"] else "")
         print("  phases: " + ", ".join(f"{name} {s:.3f}" for name, s in rec["phases_s"].items())
-              + " s (slowest process each)", flush=True)
+              + f" s (slowest process each){ahead}", flush=True)
     return rec
 
 

@@ -69,6 +69,8 @@ def test_live_example_does_every_switch(model, tmp_path):
         assert list(s["phases_s"]) in (WORLD_PHASES, IN_PLACE_PHASES), s["phases_s"]
         assert all(v >= 0 for v in s["phases_s"].values())
         assert sum(s["phases_s"].values()) >= 0.95 * s["downtime_s"], s
+        # The same-devices switch took megatron's groups made while the job trained.
+        assert (s["groups_ahead"] > 0) == (list(s["phases_s"]) == IN_PLACE_PHASES), s
     assert done.stdout.count("  phases: ") == n - 1
     assert len(rec["losses"]) == n and all(math.isfinite(v) for v in rec["losses"])
     # The leader printed one line per switch.

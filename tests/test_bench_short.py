@@ -42,6 +42,7 @@ def _claims(name: str, doc: dict) -> None:
         for case in doc["cases"]:
             assert 0 < case["peak_staging_bytes"] <= case["budget_bytes"], case["case"]
             assert case["bytes_moved"] > 0
+            assert math.isfinite(case["predicted_over_first"]) and case["predicted_over_first"] > 0
     elif name == "calibrate_fixed_costs":
         ratios = doc["predicted_over_measured"]
         assert ratios and all(math.isfinite(r) and r > 0 for r in ratios)

@@ -96,11 +96,15 @@ class WorldSwitch:
                                        check_transfers=self.sw.check_transfers)
             src_store = None
             lap("exchange")
-            rdzv.leave()
+            # The switch's group is the destination's when both hold the same processes in the
+            # same order (e.g. spares joining, nobody leaving): kept, not formed again.
+            keep = tuple(union) == tuple(dst_devices)
+            if not keep:
+                rdzv.leave()
             new, outcome, error = None, "ok", None
             if self.device in dst_devices:
                 try:
-                    new = self._build(prep, dst_view, dst_store, carry, lap)
+                    new = self._build(prep, dst_view, dst_store, carry, lap, keep)
                 except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
                     outcome, error = _why(err), err
             del dst_store
@@ -134,9 +138,10 @@ class WorldSwitch:
         return tuple(sorted(set(self.src.devices) | set(dst.devices)))
 
     def _build(self, prep: Prepared, dst_view: Any, dst_store: dict, carry: dict,
-               lap) -> MegatronJob:
+               lap, keep: bool = False) -> MegatronJob:
         ps, sw = self._ps(), self.sw
-        self.rdzv.form(f"g{self.g}/dst", prep.dst.devices, self.device)
+        if not keep:  # else the switch's group, already the destination's default group
+            self.rdzv.form(f"g{self.g}/dst", prep.dst.devices, self.device)
         lap("dst_group")
         ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **sw.init_kwargs)
         lap("parallel_state")

@@ -306,11 +306,12 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
     # The downtime by phase: each phase's slowest process (the phases hold each other up, so
     # their sum is about the downtime).
     phases: list = [None] * dist.get_world_size()
-    dist.all_gather_object(phases, result.phases())
-    rec["phases_s"] = {name: max(p.get(name, 0.0) for p in phases) for name in phases[0]}
+    dist.all_gather_object(phases, (result.phases(), result.seconds.get("groups_wait", 0.0)))
+    rec["phases_s"] = {name: max(p.get(name, 0.0) for p, _ in phases) for name in phases[0][0]}
     # Megatron's groups of a same-devices switch, made while the job trained (LiveSwitcher's
     # groups_ahead): how many this process took ready-made.
     rec["groups_ahead"] = int(r.get("groups_ahead", 0))
+    rec["groups_wait_s"] = max(w for _, w in phases)  # of parallel_state: waiting for them
     if sw.leader:
         note = f"  ({why})" if why else ""
         print(f"switch {rec['generation']} -> {label(sw.spec)} on {rec['processes']} processes"
@@ -319,8 +320,8 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
               + f", {plural(rec['rounds'], 'round')}), {rec['bytes_moved'] / 2**20:.2f} MiB moved + "
               f"{rec['bytes_local'] / 2**20:.2f} MiB local, {rec['joined']} joined; planned and "
               f"verified in the background in {rec['plan_verify_s']:.2f} s", flush=True)
-        ahead = (f"; {rec['groups_ahead']} of megatron's groups made while training"
-                 if rec["groups_ahead"] else "")
+        ahead = (f"; {rec['groups_ahead']} of megatron's groups made while training (waited "
+                 f"{rec['groups_wait_s']:.3f} s for them)" if rec["groups_ahead"] else "")
         print("  phases: " + ", ".join(f"{name} {s:.3f}" for name, s in rec["phases_s"].items())
               + f" s (slowest process each){ahead}", flush=True)
     return rec

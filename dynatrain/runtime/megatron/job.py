@@ -123,7 +123,7 @@ class SwitchResult:
 
     # ``seconds`` keys that are not phases of the downtime: planned in the background, or
     # measured inside a phase.
-    NOT_PHASES = ("plan", "verify", "check", "downtime")
+    NOT_PHASES = ("plan", "verify", "check", "downtime", "groups_wait")
 
     def phases(self) -> dict[str, float]:
         """This process's downtime by phase, in the order they ran; their sum is
@@ -131,7 +131,8 @@ class SwitchResult:
 
         Same devices: ``check_agree`` (the job check against the IR, binding the source state,
         agreeing on the plan's digest), ``save_state`` (what a rollback restores),
-        ``parallel_state`` (megatron's groups for the destination), ``build`` (the destination
+        ``parallel_state`` (megatron's groups for the destination; of it,
+        ``seconds["groups_wait"]`` waited for the groups made ahead), ``build`` (the destination
         job, and the vote that every process built it), ``exchange``, ``install`` (the step,
         the scheduler, counters, and the commit vote). Another world: ``agree``,
         ``switch_group``, ``plan_vote``, ``exchange``, ``dst_group``, ``parallel_state``,

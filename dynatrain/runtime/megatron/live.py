@@ -536,6 +536,7 @@ class LiveSwitcher:
         t.append(time.perf_counter())
         new = dst = failure = None
         ahead, self._ahead = self._ahead, None
+        waited = time.perf_counter()
         if self.groups_ahead and groups_ahead_supported(self.init_kwargs):
             # Groups made ahead only if every process has all of its own (one all-reduce).
             if not self._all_built(ahead is not None and ahead.ready(self.timeout)):
@@ -543,6 +544,7 @@ class LiveSwitcher:
                 resync_groups(self.group)
         else:
             ahead = None
+        waited = time.perf_counter() - waited
         try:
             ps.destroy_model_parallel()
             if ahead is not None:
@@ -600,7 +602,8 @@ class LiveSwitcher:
         names = ("check_agree", "save_state", "parallel_state", "build", "exchange", "install")
         seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
         seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
-                       check=self.check_seconds or 0.0, downtime=t[-1] - t[0])
+                       check=self.check_seconds or 0.0, downtime=t[-1] - t[0],
+                       groups_wait=waited)
         report["groups_ahead"] = self.groups_taken
         return SwitchResult(new, report, seconds, "stayed", prep.generation)
 

@@ -10,6 +10,7 @@ TCPStore this process hosts; a client thread posts, one after another:
 
 * a notice whose deadline has already passed: refused, exit 2, the job trains on;
 * a notice naming a device that is not in the job: refused, exit 2;
+* a notice document whose deadline is not a finite number: refused, exit 2;
 * with the command, node0:gpu3 leaves in 60 s: switched to the suggested layout on the other
   three, exit 0, one line saying the notice was met; node0:gpu3 leaves the job;
 * a second notice posted while that one is under way: refused, exit 2;
@@ -23,6 +24,7 @@ TCPStore this process hosts; a client thread posts, one after another:
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import subprocess
@@ -69,9 +71,14 @@ def test_notices_through_the_store_and_the_command() -> None:
                                                                     "test"), 240)
             outcomes["unknown"] = wait_answer(job_store, post_notice(
                 job_store, ["node7:gpu0"], 60.0, "test"), 240)
+            # A hostile document (json writes inf as Infinity): refused, rank 0 trains on.
+            n = int(job_store.add("requests", 1))
+            job_store.set(f"request/{n}", json.dumps({"notice": {
+                "leaving": [DEV[3]], "deadline_unix": float("inf")}}))
+            outcomes["infinite"] = wait_answer(job_store, n, 240)
             cmd = _cli("notice", "--leaving", DEV[3], "--deadline", "60", "--store", address,
                        "--timeout", "240")
-            while int(job_store.add("requests", 0)) < 3:
+            while int(job_store.add("requests", 0)) < 4:
                 time.sleep(0.01)
             during = post_notice(job_store, [DEV[2]], 60.0, "test")
             outcomes["cmd"] = (*cmd.communicate(timeout=300), cmd.returncode)
@@ -100,14 +107,16 @@ def test_notices_through_the_store_and_the_command() -> None:
     assert unknown.exit_code == 2 and "node7:gpu0 is not a device of the job" in unknown.line
     out, err, code = outcomes["cmd"]
     assert code == 0 and err == "" and out.count("\n") == 1, outcomes["cmd"]
-    assert out.startswith("request 3: switched to ") and "on 3 devices" in out, out
+    assert out.startswith("request 4: switched to ") and "on 3 devices" in out, out
     assert "met the notice" in out and "before its deadline" in out, out
-    assert during.exit_code == 2 and "already under way (request 3)" in during.line, during
+    assert during.exit_code == 2 and "already under way (request 4)" in during.line, during
+    infinite = outcomes["infinite"]
+    assert infinite.exit_code == 2 and "a finite number" in infinite.line, infinite
     for name, says in (("nan", "--deadline"), ("zero", "--deadline"),
                        ("nostore", "no store answered")):
         out, err, code = outcomes[name]
         assert code == 2 and out == "" and err.count("\n") == 1 and says in err, (name, err)
-    assert outcomes["requests"] == 4  # the refused commands posted nothing
+    assert outcomes["requests"] == 5  # the refused commands posted nothing
     assert got[DEV[3]]["role"] == "left"
     for d in DEV[:3]:
         r = got[d]

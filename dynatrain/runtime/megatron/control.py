@@ -25,6 +25,7 @@ in its previous layout). A notice's answer says whether the switch ended before 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -147,9 +148,10 @@ class LiveControl:
         milliseconds left and None, or 0 and why it is refused."""
         leaving, when = notice.get("leaving"), notice.get("deadline_unix")
         if (not isinstance(leaving, list) or not all(isinstance(d, str) for d in leaving)
-                or isinstance(when, bool) or not isinstance(when, (int, float))):
+                or isinstance(when, bool) or not isinstance(when, (int, float))
+                or not math.isfinite(when)):
             return 0, ("request: notice: expected {'leaving': [device names], "
-                       "'deadline_unix': seconds since the epoch}")
+                       "'deadline_unix': seconds since the epoch, a finite number}")
         left = float(when) - time.time()
         if not left > 0:
             return 0, (f"notice: the deadline passed {-left:.1f} s before the job took the "
@@ -158,7 +160,7 @@ class LiveControl:
         self.sw.rendezvous.post(f"notice/{n}", {
             "dst": spec_to_dict(met.dst_spec, Layout(met.dst_spec).devices),
             "predicted_s": met.predicted_seconds})
-        return max(1, int(left * 1000)), None
+        return max(1, min(int(left * 1000), 1 << 62)), None  # an int64 in the broadcast
 
     def _refusal(self, doc: dict) -> str | None:
         """Why rank 0 refuses a request before any process plans it (None: it does not)."""

@@ -102,6 +102,8 @@ def record(init: dict[str, Any]) -> list[dict[str, Any]]:
     snap = _snapshot(ps)
     try:
         with _new_group_is(recorder, no_destroy=True):
+            # 0.19's destroy also releases NCCL EP and symmetric-memory buffers: nothing under
+            # gloo, the only backend this runs on (``supported``).
             ps.destroy_model_parallel()
             ps.initialize_model_parallel(**init)
     finally:

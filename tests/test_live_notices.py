@@ -97,11 +97,11 @@ def test_notices_through_the_store_and_the_command() -> None:
     fns = {d: fl.store_notice_worker(case("dp4", 4, **MODEL), d, DEV, port, 12, 60.0, 30.0)
            for d in DEV}
     thread = threading.Thread(target=client, daemon=True)
-    thread.start()
-    try:
-        got = elastic.run_processes(fns, timeout=600.0)
+    try:  # the client starts once every process is forked (never fork beside a busy thread)
+        got = elastic.run_processes(fns, timeout=600.0, started=thread.start)
     finally:
-        thread.join(timeout=30)
+        if thread.ident is not None:  # started
+            thread.join(timeout=30)
     passed, unknown, during = outcomes["passed"], outcomes["unknown"], outcomes["during"]
     assert passed.exit_code == 2 and "before the job took the notice up" in passed.line, passed
     assert unknown.exit_code == 2 and "node7:gpu0 is not a device of the job" in unknown.line

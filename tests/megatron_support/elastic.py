@@ -47,10 +47,13 @@ SEQ = live.SEQ
 
 def run_processes(fns: dict[str, Callable[[dist.Store], Any]], *,
                   late: dict[str, tuple[str, Callable[[dist.Store], Any]]] | None = None,
-                  timeout: float = 240.0, may_die: tuple[str, ...] = ()) -> dict[str, Any]:
+                  timeout: float = 240.0, may_die: tuple[str, ...] = (),
+                  started: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Run ``fns[name](store)`` in forked processes, and ``late[name] = (key, fn)`` once ``key``
     is set in the store; return every process's result by name (``may_die``: processes that
-    may end killed by SIGKILL, without a result)."""
+    may end killed by SIGKILL, without a result). ``started`` runs once ``fns`` are forked:
+    start a test's own threads there (a fork while another thread holds a lock can leave the
+    child waiting on it forever)."""
     if dist.is_initialized() or ps.model_parallel_is_initialized():
         raise RuntimeError("run_processes needs a parent without a process group")
     late = dict(late or {})
@@ -67,6 +70,8 @@ def run_processes(fns: dict[str, Callable[[dist.Store], Any]], *,
         try:
             for name, fn in fns.items():
                 start(name, fn)
+            if started is not None:
+                started()
             deadline = time.monotonic() + timeout
             while True:
                 for name, (key, fn) in list(late.items()):

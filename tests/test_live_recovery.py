@@ -174,3 +174,42 @@ def test_the_watchdog_aborts_once_when_a_peer_stops_beating(tmp_path) -> None:
     assert len(aborted) == 1  # at most once
     beats[0].stop()
     dog.stop()
+
+
+def test_the_watchdog_waits_for_a_peer_that_is_still_starting(tmp_path) -> None:
+    """A peer that has not beaten yet (its node still builds the job) is not taken for dead,
+    however long it takes; once it beats, it is watched like the others (the job's watchdog:
+    ``Liveness(beaten_only=True)``). A CI run aborted on a peer that started 4.5 s late."""
+    import time
+
+    import torch.distributed as dist
+
+    from dynatrain.runtime.megatron import Rendezvous
+    from dynatrain.runtime.megatron.recovery import Heartbeat, Liveness
+    from dynatrain.runtime.megatron.watchdog import Watchdog
+
+    rdzv = Rendezvous(dist.FileStore(str(tmp_path / "store"), -1), "gloo", prefix="s")
+    devs = ["node0:gpu0", "node0:gpu1"]
+    first = Heartbeat(rdzv, devs[0], 0.02)
+    aborted: list[float] = []
+    dog = Watchdog(lambda: devs, Liveness(rdzv, 0.3, beaten_only=True).stale,
+                   abort=lambda: aborted.append(time.monotonic()), poll=0.05)
+    time.sleep(1.0)  # gpu1 never beat in three times abort_after
+    assert aborted == [] and dog.fired is None
+    late = Heartbeat(rdzv, devs[1], 0.02)
+    time.sleep(0.5)
+    assert aborted == []
+    late.stop()
+    stopped = time.monotonic()
+    while not aborted and time.monotonic() - stopped < 5:
+        time.sleep(0.02)
+    assert dog.fired is not None and dog.fired[0] == ("node0:gpu1",), dog.fired
+    # Without beaten_only the same start is taken for a death.
+    plain, watched = Liveness(rdzv, 0.1), Liveness(rdzv, 0.1, beaten_only=True)
+    for live in (plain, watched):
+        live.stale(["node0:gpu3"])
+    time.sleep(0.2)
+    assert plain.stale(["node0:gpu3"]) == {"node0:gpu3"}
+    assert watched.stale(["node0:gpu3"]) == set()
+    first.stop()
+    dog.stop()

@@ -656,7 +656,7 @@ class LiveSwitcher:
         assert self.rendezvous is not None and self.abort_after is not None
         if self.watchdog is not None:
             self.watchdog.stop()
-        look = Liveness(self.rendezvous, self.abort_after)
+        look = Liveness(self.rendezvous, self.abort_after, beaten_only=True)
 
         def peers() -> tuple[str, ...]:
             # Never this process's own device: it runs, whatever its heartbeat thread did.

@@ -102,10 +102,14 @@ class Heartbeat:
 
 class Liveness:
     """Which devices' heartbeats stopped: counters unchanged for ``stale_after`` seconds of
-    this process's own clock (no clocks are compared across processes)."""
+    this process's own clock (no clocks are compared across processes).
 
-    def __init__(self, rdzv: Rendezvous, stale_after: float) -> None:
-        self.rdzv, self.stale_after = rdzv, stale_after
+    With ``beaten_only`` a device that never beat is never stale: a watchdog must not take a
+    peer that is still starting (a slow node builds its job seconds after the others) for a
+    dead one; the group timeout still releases a collective on a peer that never came."""
+
+    def __init__(self, rdzv: Rendezvous, stale_after: float, beaten_only: bool = False) -> None:
+        self.rdzv, self.stale_after, self.beaten_only = rdzv, stale_after, beaten_only
         self._seen: dict[str, tuple[int, float]] = {}  # device -> (counter, when it last moved)
 
     def stale(self, devices: tuple[str, ...] | list[str]) -> set[str]:
@@ -115,7 +119,7 @@ class Liveness:
             last = self._seen.get(d)
             if last is None or last[0] != n:
                 self._seen[d] = (n, now)
-            elif now - last[1] >= self.stale_after:
+            elif now - last[1] >= self.stale_after and (n > 0 or not self.beaten_only):
                 out.add(d)
         return out
 

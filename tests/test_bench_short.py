@@ -4,7 +4,9 @@ Each runs as a subprocess (as a user runs it) and its JSON is checked: the check
 bit-equal to megatron's own on every destination, the runtime's staging stays within its budget,
 the fixed-cost calibration's predictions are finite positive ratios, the fingerprint and pack
 benches measured what they list, and the recovery bench recovered each way it names (nothing
-re-read by an exchange, at most the lost bytes by a refill, everything by a rollback). Timings are not asserted (they belong to the benches).
+re-read by an exchange, at most the lost bytes by a refill, everything by a rollback), and the
+goodput bench met every event of its trace each way, in the layouts each way goes to. Timings
+are not asserted (they belong to the benches).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SHORT = {
     "ckpt_load_bench": ["--repeat", "1", "--json"],
     "recovery_bench": ["--repeat", "1", "--out"],
     "plan_bench": ["--only", "GPT-OSS", "--out"],  # the full bench plans 1000s of GPUs
+    "goodput_bench": ["--trace", "short", "--startup", "8", "--out"],
 }
 
 
@@ -67,6 +70,34 @@ def _claims(name: str, doc: dict) -> None:
         assert all(m["release"] > 0 and m["downtime"] > 0 for m in ways.values())
         assert doc["model"] and all((r["lost_bytes"] == 0) == (r["instances"] == 2)
                                     for r in doc["model"])
+    elif name == "goodput_bench":
+        ways = {w["way"]: w for w in doc["ways"]}
+        assert sorted(ways) == ["checkpoint", "dp-only", "live"]
+        for w in ways.values():
+            # Both events met, each iteration counted once (the bench checks the numbering),
+            # nothing lost, the first layout's 8 devices back at the end.
+            assert [(e["what"], e["done"]) for e in w["events"]] == [("notice", True),
+                                                                   ("back", True)], w["events"]
+            assert all(e["iterations_lost"] == 0 and e["downtime_s"] > 0 for e in w["events"])
+            assert w["events"][-1]["devices"] == 8 and w["iterations"] > 0
+            assert 0 < w["effective_training_time_ratio"] <= 1.05
+            assert isinstance(w["events"][0]["met_deadline"], bool)
+        notice = {k: w["events"][0] for k, w in ways.items()}
+        # The notice: live and checkpoint-restart go to suggest's layout on the 6 devices that
+        # stay; data-parallel elasticity keeps the one replica without node3 (4 devices).
+        assert notice["live"]["devices"] == notice["checkpoint"]["devices"] == 6
+        assert notice["live"]["layout"] == notice["checkpoint"]["layout"]
+        assert (notice["dp-only"]["devices"], notice["dp-only"]["layout"]) == (4, "tp2-pp2-dp1")
+        assert set(notice["checkpoint"]["phases_s"]) >= {"save", "build", "load"}
+        assert "exchange" in notice["live"]["phases_s"]
+        assert Path(doc["plot"]).is_file()
+        # The model at scale: every preset at every scale, each way a ratio in [0, 1]; forming
+        # the world ahead never costs goodput.
+        assert len(doc["model"]) == 9
+        for row in doc["model"]:
+            assert all(0 <= row[w]["ratio"] <= 1 for w in ("live", "live-ahead", "checkpoint",
+                                                            "dp-only")), row
+            assert row["live-ahead"]["ratio"] >= row["live"]["ratio"]
     elif name == "pack_bench":
         assert doc["pieces_packed"] > 0 and doc["pieces_unpacked"] > 0
 

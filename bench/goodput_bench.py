@@ -1,0 +1,733 @@
+"""Goodput under a trace of capacity events: DynaTrain live, checkpoint-restart, and
+data-parallel-only elasticity, each running the same job through the same trace.
+
+    python bench/goodput_bench.py                   # the full trace (about 4 minutes per way)
+    python bench/goodput_bench.py --trace short     # the shortest (what the tests run)
+    python bench/goodput_bench.py --ways live,checkpoint --out FILE
+
+The job is ``examples/live_switch_gpt.py``'s dense GPT, trained with megatron-core on 8 forked
+gloo processes, "4 nodes x 2 GPUs", starting in TP2 PP2 DP2 (global batch 12 x 16 tokens). The
+trace is a list of events at wall-clock offsets: a preemption notice (a node leaves, its
+deadline some seconds later) and capacity coming back (the node returns). Each way meets them
+as the systems it stands for do:
+
+* **live** (DynaTrain): the bench, as a scheduler, posts the notice to the job's store
+  (``requests.post_notice``, what ``dynatrain notice`` does); the job's ``LiveControl`` picks
+  ``suggest``'s top layout on the devices that stay and switches at the first boundary where
+  every plan is ready. The node that left waits as a spare; when capacity is back the bench
+  posts the first layout (``requests.post_request``, what ``dynatrain switch`` does) and the
+  spares join through the same live switch.
+* **checkpoint** (checkpoint-restart, the best case of it: Megatron-LM's
+  ``--exit-signal-handler``, which saves when the scheduler signals): at the event every
+  process saves a megatron dist checkpoint (model and fully reshardable optimizer) and exits;
+  new processes start on the new devices, form the group and megatron's parallel state, build
+  the job in the layout ``suggest`` picks (the same layout the live way goes to) and load the
+  checkpoint. No iteration is lost; the restart is the downtime.
+* **dp-only** (data-parallel elasticity, as torchft and SageMaker HyperPod do it): the layout
+  inside a data-parallel replica never changes; a notice takes out every replica holding a
+  leaving device, and returning capacity brings whole replicas back. The replica changes are
+  made here by DynaTrain's own live switch (the bench posts the layout), so the way differs
+  from the live one in the devices it can use, not in how bytes move.
+
+A CPU machine runs all 8 "devices" on the same cores, so fewer devices would not train slower.
+Each process therefore stands in for an accelerator: an iteration on ``n`` devices takes
+``--work`` / ``n`` seconds (perfect scaling, an assumption), the real training step running
+inside that time (the default leaves room for it here; ``failure_free_iteration_s`` shows when it
+does not). Forked processes start warm: the checkpoint way's restarts do not include starting an
+interpreter and importing torch and megatron (``cold_start_s`` in the JSON measures that once,
+for one process on this machine: a real restart pays it on every node).
+
+Reported per way: iterations done, the failure-free iteration time (the median period, start to
+start, of the first layout's iterations before the first event, the first left out), the
+effective training time ratio (iterations done x failure-free iteration time / wall time, the
+wall time being the trace's: every way's first iteration starts when its clock does), the same
+ratio without any downtime (``bound``: the devices the way trains on after each event, from the
+event on, over the first layout's 8) and per event the downtime (the gap between the last
+iteration before it and the first one after it, plus any stall at the boundaries between the
+event and it), by phase, iterations lost, and the devices and layout after it. A plot of the
+timeline is written next to the JSON. Failures without notice are not in the trace
+(``recovery_bench.py`` measures recoveries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the processes are forked: no CUDA in this one
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import live_switch_gpt as example  # noqa: E402  (imports megatron once: workers start warm)
+import mcore_job  # noqa: E402
+
+from dynatrain.ir.layout import Layout  # noqa: E402
+from dynatrain.ir.loader import spec_from_dict, spec_to_dict  # noqa: E402
+from dynatrain.planner.suggest import suggest  # noqa: E402
+from dynatrain.runtime.megatron import LiveSwitcher, Rendezvous, cpu, parallel_kwargs  # noqa: E402
+from dynatrain.runtime.megatron.control import LiveControl  # noqa: E402
+from dynatrain.runtime.megatron.requests import post_notice, post_request  # noqa: E402
+from dynatrain.verify.check import check  # noqa: E402
+
+NODES, GPUS = 4, 2
+DEVICES = [f"node{n}:gpu{g}" for n in range(NODES) for g in range(GPUS)]
+FIRST = {"tp": 2, "pp": 2}
+GLOBAL_BATCH, SEQ = 12, 16
+TIMEOUT = 300.0
+WAYS = ("live", "checkpoint", "dp-only")
+# (seconds after the start, what, node, the notice's deadline in seconds)
+TRACES = {
+    "full": {"duration": 240.0, "events": [(40.0, "notice", "node3", 30.0),
+                                           (100.0, "back", "node3", None),
+                                           (150.0, "notice", "node1", 30.0),
+                                           (200.0, "back", "node1", None)]},
+    "short": {"duration": 38.0, "events": [(10.0, "notice", "node3", 15.0),
+                                           (24.0, "back", "node3", None)]},
+}
+
+
+def first_spec():
+    return spec_from_dict({"name": "tp2-pp2-dp2", "model": example.BASE, "parallel": FIRST,
+                           "world": {"nodes": NODES, "gpus_per_node": GPUS}})
+
+
+def node_devices(node: str) -> list[str]:
+    return [d for d in DEVICES if d.startswith(node + ":")]
+
+
+# ---- in every process ----------------------------------------------------------------------
+
+
+class Log:
+    """What a job's rank 0 appends to a JSON-lines file the bench reads at the end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def write(self, **rec) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def _pace(t0: float, work: float, devices: int) -> None:
+    """Stand in for an accelerator: the iteration that began at ``t0`` ends ``work / devices``
+    seconds later (the real training step ran inside that time, when it fits)."""
+    time.sleep(max(0.0, t0 + work / devices - time.time()))
+
+
+def _wait_for_start(start_unix: float, leader: bool, log: Log) -> None:
+    """Every way's first iteration starts when the trace's clock does."""
+    if leader:
+        log.write(kind="ready", t=time.time())
+    time.sleep(max(0.0, start_unix - time.time()))
+
+
+def _decide(flags: list[int], group) -> list[int]:
+    """The job's rank 0's flags, on every process of ``group`` (None: the default group)."""
+    t = torch.tensor(flags, dtype=torch.int64)
+    dist.broadcast(t, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def live_worker(device: str, store_path: str, start_unix: float, end_unix: float, log: Log,
+                args) -> None:
+    """``live`` and ``dp-only``: a job under ``LiveControl`` taking up what the bench posts."""
+    from megatron.core import parallel_state as ps
+
+    cpu.set_device(DEVICES.index(device))
+    store = dist.FileStore(store_path, -1)
+    rdzv = Rendezvous(store, "gloo", prefix="job", timeout=TIMEOUT)
+    trainer = mcore_job.GlobalBatch(GLOBAL_BATCH, SEQ, example.BASE["vocab_size"])
+    spec = first_spec()
+    with cpu.cpu_shim():
+        rdzv.form("start", DEVICES, device)
+        ps.initialize_model_parallel(**parallel_kwargs(spec), **mcore_job.init_kwargs())
+        job = mcore_job.build_job(spec)
+        sw = LiveSwitcher(spec, device, mcore_job.build_job, check, rendezvous=rdzv,
+                          timeout=TIMEOUT, init_kwargs=mcore_job.init_kwargs())
+        ctl = LiveControl(sw)
+        seen = None
+        _wait_for_start(start_unix, sw.leader, log)
+        while True:
+            if job is None:  # left: a spare until capacity is back (or the job ends)
+                result = sw.join(timeout=TIMEOUT * 4)
+                if result is None:
+                    return
+                job = result.job  # joined at the boundary the others just switched at
+            else:
+                t0 = time.time()
+                job = ctl.boundary(job)
+                if ctl.last is not seen:
+                    seen = ctl.last
+                    if sw.leader:
+                        ok = not isinstance(seen, Exception)
+                        log.write(kind="switch", ok=ok, t0=t0, t1=time.time(),
+                                  downtime=seen.seconds.get("downtime") if ok else None,
+                                  phases=seen.phases() if ok else None,
+                                  error=None if ok else str(seen))
+                if job is None:
+                    continue
+            [stop] = _decide([int(sw.leader and time.time() >= end_unix)], sw.group)
+            if stop:
+                break
+            n = len(sw.layout.devices)
+            t0 = time.time()
+            trainer.step(job)
+            _pace(t0, args.work, n)
+            if sw.leader:
+                log.write(kind="iteration", iteration=job.iteration, t0=t0, t1=time.time(),
+                          devices=n, layout=sw.spec.name)
+        sw.close()
+
+
+def checkpoint_worker(device: str, devices: list[str], spec_doc: dict, segment: int,
+                      load_from: str | None, save_to: str, store_path: str, start_unix: float,
+                      end_unix: float, log: Log, args) -> None:
+    """``checkpoint``: one run of the job, from a checkpoint (or from scratch) until the bench
+    asks it to stop (save, exit) or the trace ends."""
+    from megatron.core import parallel_state as ps
+
+    started = time.time()
+    cpu.set_device(DEVICES.index(device))
+    store = dist.FileStore(store_path, -1)
+    rdzv = Rendezvous(store, "gloo", prefix=f"segment{segment}", timeout=TIMEOUT)
+    trainer = mcore_job.GlobalBatch(GLOBAL_BATCH, SEQ, example.BASE["vocab_size"])
+    spec = spec_from_dict(spec_doc)
+    leader = devices[0] == device
+    with cpu.cpu_shim():
+        rdzv.form("start", devices, device)
+        ps.initialize_model_parallel(**parallel_kwargs(spec), **mcore_job.init_kwargs())
+        t1 = time.time()
+        job = mcore_job.build_job(spec)
+        t2 = time.time()
+        if load_from is not None:
+            mcore_job.load_checkpoint(job, load_from)
+        if leader:
+            log.write(kind="restart", segment=segment, started=started, group=t1 - started,
+                      build=t2 - t1, load=time.time() - t2, loaded=load_from is not None)
+        if segment == 0:
+            _wait_for_start(start_unix, leader, log)
+        while True:
+            stop_key = f"stop/{segment}"
+            flags = [int(time.time() >= end_unix), int(store.check([stop_key]))] if leader \
+                else [0, 0]
+            end, stop = _decide(flags, None)
+            if end:
+                return
+            if stop:
+                t0 = time.time()
+                mcore_job.save_checkpoint(job, save_to)
+                if leader:
+                    log.write(kind="save", segment=segment, t0=t0, t1=time.time(),
+                              iteration=job.iteration)
+                return
+            t0 = time.time()
+            trainer.step(job)
+            _pace(t0, args.work, len(devices))
+            if leader:
+                log.write(kind="iteration", iteration=job.iteration, t0=t0, t1=time.time(),
+                          devices=len(devices), layout=spec.name)
+
+
+# ---- the bench: processes, the trace, the numbers ------------------------------------------
+
+
+def _run(target, args_, err_dir: str, name: str) -> None:
+    os.setpgid(0, 0)
+    try:
+        example.quiet_library_warnings()
+        target(*args_)
+    except BaseException:  # noqa: BLE001 — the bench reports it
+        with open(os.path.join(err_dir, f"error-{name}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Processes:
+    """Forked workers; any that fails (or the time limit) stops the way with its traceback."""
+
+    def __init__(self, tmpdir: str, limit: float) -> None:
+        self.ctx, self.tmpdir = multiprocessing.get_context("fork"), tmpdir
+        self.procs: list = []
+        self.deadline = time.monotonic() + limit
+
+    def start(self, target, per_device: dict[str, tuple]) -> list:
+        started = []
+        for d, a in per_device.items():
+            p = self.ctx.Process(target=_run, args=(target, a, self.tmpdir, d))
+            p.start()
+            started.append(p)
+        self.procs += started
+        return started
+
+    def check(self) -> None:
+        bad = [p for p in self.procs if p.exitcode not in (None, 0)]
+        if bad or time.monotonic() > self.deadline:
+            time.sleep(0.5)  # let a failing worker finish writing its traceback
+            errors = sorted(f for f in os.listdir(self.tmpdir) if f.startswith("error-"))
+            text = ("\n".join(f"{f[6:-4]}: " + open(os.path.join(self.tmpdir, f)).read()
+                               for f in errors) if errors else
+                    "a worker died" if bad else "the bench's time limit passed")
+            raise RuntimeError(f"a worker failed:\n{text}")
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+            p.join(timeout=5)
+
+
+def _dp_only(spec, leaving: list[str] | None) -> dict:
+    """The layout data-parallel elasticity goes to: ``spec``'s model-parallel layout on the
+    data-parallel replicas (of the first layout) that hold no leaving device."""
+    first = Layout(first_spec())
+    replicas: dict[int, list[str]] = {}
+    for r, d in enumerate(first.devices):
+        replicas.setdefault(first.coords(r).dp, []).append(d)
+    keep = [devs for devs in replicas.values() if not set(devs) & set(leaving or [])]
+    if leaving is None or len(keep) == len(replicas):
+        return spec_to_dict(first_spec())
+    # Rank order inside the kept replicas as the first layout had it (TP fastest, then DP).
+    devices = [d for d in first.devices if any(d in devs for devs in keep)]
+    doc = spec_to_dict(first_spec(), tuple(devices))
+    doc["name"] = f"tp2-pp2-dp{len(keep)}"
+    return doc
+
+
+def run_live(way: str, trace: dict, tmpdir: str, args) -> dict:
+    store_path = os.path.join(tmpdir, "store")
+    log = Log(os.path.join(tmpdir, "log.jsonl"))
+    start = time.time() + args.startup
+    end = start + trace["duration"]
+    procs = Processes(tmpdir, args.startup + trace["duration"] + 600)
+    procs.start(live_worker, {d: (d, store_path, start, end, log, args) for d in DEVICES})
+    store = dist.PrefixStore("job/", dist.FileStore(store_path, -1))
+    events, answers = [], []
+    try:
+        pending = list(trace["events"])
+        while any(p.exitcode is None for p in procs.procs):
+            procs.check()
+            if pending and time.time() >= start + pending[0][0]:
+                at, what, node, deadline = pending.pop(0)
+                t = time.time()
+                if what == "notice" and way == "live":
+                    n = post_notice(store, node_devices(node), deadline, source="goodput bench")
+                elif what == "notice":
+                    n = post_request(store, _dp_only(first_spec(), node_devices(node)),
+                                     source="goodput bench (dp-only)")
+                else:
+                    n = post_request(store, spec_to_dict(first_spec()),
+                                     source="goodput bench")
+                events.append({"at": at, "what": what, "node": node, "deadline_s": deadline,
+                               "posted": t, "request": n})
+            for e in events:
+                key = f"answer/{e['request']}"
+                if "answer" not in e and store.check([key]):
+                    e["answer"] = json.loads(store.get(key))["line"]
+            time.sleep(0.05)
+        procs.check()
+    finally:
+        procs.close()
+    for e in events:
+        key = f"answer/{e['request']}"
+        if "answer" not in e and store.check([key]):
+            e["answer"] = json.loads(store.get(key))["line"]
+        answers.append(e.get("answer"))
+    return {"start": start, "end": end, "events": events, "log": _read(log.path)}
+
+
+def run_checkpoint(trace: dict, tmpdir: str, args) -> dict:
+    store_path = os.path.join(tmpdir, "store")
+    log = Log(os.path.join(tmpdir, "log.jsonl"))
+    start = time.time() + args.startup
+    end = start + trace["duration"]
+    store = dist.FileStore(store_path, -1)
+    procs = Processes(tmpdir, args.startup + trace["duration"] + 600)
+    devices, spec_doc = list(DEVICES), spec_to_dict(first_spec())
+    segment, load_from, events = 0, None, []
+
+    def launch() -> list:
+        save_to = os.path.join(tmpdir, f"ckpt{segment}")
+        return procs.start(checkpoint_worker, {
+            d: (d, devices, spec_doc, segment, load_from, save_to, store_path, start, end, log,
+                args) for d in devices})
+
+    try:
+        current = launch()
+        pending = list(trace["events"])
+        while True:
+            procs.check()
+            if all(p.exitcode is not None for p in current):
+                break
+            if pending and time.time() >= start + pending[0][0]:
+                at, what, node, deadline = pending.pop(0)
+                events.append({"at": at, "what": what, "node": node, "deadline_s": deadline,
+                               "posted": time.time()})
+                gone = node_devices(node)
+                if what == "notice":
+                    stay = [d for d in devices if d not in gone]
+                    top = suggest(Layout(spec_from_dict(spec_doc)), stay).ranked[0].spec
+                    nxt_devices, nxt_doc = stay, spec_to_dict(top, tuple(stay))
+                else:
+                    nxt_devices, nxt_doc = list(DEVICES), spec_to_dict(first_spec())
+                store.set(f"stop/{segment}", "1")
+                for p in current:  # every process saved and exited: restart in the new world
+                    while p.exitcode is None:
+                        procs.check()
+                        time.sleep(0.02)
+                load_from = os.path.join(tmpdir, f"ckpt{segment}")
+                segment += 1
+                devices, spec_doc = nxt_devices, nxt_doc
+                events[-1]["restarted"] = time.time()
+                current = launch()
+            time.sleep(0.05)
+        procs.check()
+    finally:
+        procs.close()
+    return {"start": start, "end": end, "events": events, "log": _read(log.path)}
+
+
+def _read(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(way: str, run: dict) -> dict:
+    """The way's numbers from its rank 0s' logs."""
+    its = sorted((r for r in run["log"] if r["kind"] == "iteration"), key=lambda r: r["t0"])
+    numbers = [r["iteration"] for r in its]
+    if numbers != list(range(1, len(numbers) + 1)):
+        raise RuntimeError(f"{way}: iterations not counted once each, in order: {numbers[:40]}")
+    first_event = run["start"] + run["events"][0]["at"] if run["events"] else run["end"]
+    # An iteration's period: its step and the boundary after it (where requests are looked at).
+    steady = [b["t0"] - a["t0"] for a, b in zip(its, its[1:]) if b["t1"] <= first_event][1:]
+    if not steady:
+        raise RuntimeError(f"{way}: no iteration before the first event to time")
+    t_ff = statistics.median(steady)
+    t_begin = run["start"]
+    wall = run["end"] - t_begin
+    ready = [r["t"] for r in run["log"] if r["kind"] == "ready"]
+    events = []
+    for k, e in enumerate(run["events"]):
+        t_e = run["start"] + e["at"]
+        before = [r for r in its if r["t0"] < t_e]
+        nxt = run["start"] + run["events"][k + 1]["at"] if k + 1 < len(run["events"]) \
+            else run["end"]
+        # The first iteration in a layout other than the one the event found.
+        was = before[-1]["layout"], before[-1]["devices"]
+        after = [r for r in its if r["t0"] >= t_e and r["t0"] < nxt
+                 and (r["layout"], r["devices"]) != was]
+        row = {"at_s": e["at"], "what": e["what"], "node": e["node"],
+               "deadline_s": e["deadline_s"], "answer": e.get("answer")}
+        if not after:
+            row.update(done=False)
+            events.append(row)
+            continue
+        last = max((r for r in its if r["t1"] <= after[0]["t0"]), key=lambda r: r["t1"])
+        # Every stall from the event to the new layout's first iteration: the switch, and the
+        # boundaries where the job took the event up (a notice's layout is chosen there).
+        span = [r for r in its if r["t1"] > t_e and r["t0"] <= after[0]["t0"]]
+        gaps = sum(b["t0"] - a["t1"] for a, b in zip(span, span[1:]))
+        row.update(done=True, downtime_s=gaps,
+                   ended_after_event_s=after[0]["t0"] - t_e, layout=after[0]["layout"],
+                   devices=after[0]["devices"],
+                   iterations_lost=last["iteration"] - (after[0]["iteration"] - 1))
+        if e["deadline_s"] is not None:
+            row["met_deadline"] = after[0]["t0"] <= t_e + e["deadline_s"]
+        phases = _phases(way, run["log"], last["t1"], after[0]["t0"])
+        phases["other"] = max(0.0, gaps - sum(phases.values()))
+        row["phases_s"] = phases
+        events.append(row)
+    # Without downtime, iterations come at the rate of the devices in use: the way's devices
+    # from each event on (taking effect at the event), over the first layout's.
+    held, area, t_prev = len(DEVICES), 0.0, run["start"]
+    for e, row in zip(run["events"], events):
+        t_e = run["start"] + e["at"]
+        area += held * (t_e - t_prev)
+        held, t_prev = row.get("devices", held), t_e
+    area += held * (run["end"] - t_prev)
+    return {"way": way, "iterations": len(its), "failure_free_iteration_s": t_ff,
+            "wall_s": wall, "effective_training_time_ratio": len(its) * t_ff / wall,
+            "without_downtime_ratio": area / (len(DEVICES) * wall),
+            "ready_late_s": max(0.0, max(ready) - run["start"]) if ready else None,
+            "events": events,
+            "timeline": [(r["t0"] - t_begin, r["t1"] - t_begin, r["devices"]) for r in its]}
+
+
+def _phases(way: str, log: list[dict], t0: float, t1: float) -> dict:
+    """What the gap between two iterations was spent on (rank 0's view)."""
+    if way == "checkpoint":
+        save = [r for r in log if r["kind"] == "save" and t0 - 1 <= r["t0"] <= t1]
+        rest = [r for r in log if r["kind"] == "restart" and t0 <= r["started"] <= t1]
+        out = {}
+        if save:
+            out["save"] = save[0]["t1"] - save[0]["t0"]
+        if save and rest:
+            out["exit_and_start"] = rest[0]["started"] - save[0]["t1"]
+        if rest:
+            out.update(group_and_parallel_state=rest[0]["group"], build=rest[0]["build"],
+                       load=rest[0]["load"])
+        return out
+    sw = [r for r in log if r["kind"] == "switch" and r["ok"] and t0 - 1 <= r["t0"] <= t1]
+    return dict(sw[0]["phases"]) if sw else {}
+
+
+def cold_start_seconds() -> float:
+    """One fresh interpreter importing torch, megatron-core and DynaTrain's runtime: what each
+    process of a real restart pays before it can form its group."""
+    code = ("import torch, megatron.core.models.gpt, dynatrain.runtime.megatron")
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                   env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    return time.perf_counter() - t
+
+
+# ---- the same trace at scale: a model, not a measurement --------------------------------------
+
+SCALE_PRESETS = ["specs/llama3.1-70b/tp8-pp4-dp4.yaml",
+                 "specs/qwen3-235b-a22b/tp4-pp8-ep16-256gpu.yaml",
+                 "specs/deepseek-v3/tp2-pp8-ep32-512gpu.yaml"]
+SCALES = [1024, 10240, 102400]
+MODEL_WAYS = ("live", "live-ahead", "checkpoint", "dp-only")
+VOTE_S = 0.1  # assumed: the commit vote, one small all-gather
+# Published goodput of the peers (docs/field.md): each on its own trace, not this one.
+PUBLISHED = [("LiveR", "99% goodput on spot GPUs (live handoff, target world pre-warmed)"),
+             ("ByteRobust", "97% effective training time ratio, 3 months on 9,600 GPUs"),
+             ("SageMaker HyperPod", "up to 95% goodput (checkpointless, spares)")]
+
+
+def _nccl_init_s(n: int, args) -> float:
+    """Assumed: forming a world's communicators, log-linear in the GPUs between the two
+    stated points (1,024 and 102,400)."""
+    lo, hi = args.nccl_init_s_1k, args.nccl_init_s_100k
+    x = (math.log(n) - math.log(1024)) / (math.log(102400) - math.log(1024))
+    return lo + (hi - lo) * min(max(x, 0.0), 1.0)
+
+
+def scale_model(args, cold_start: float) -> list[dict]:
+    """Each preset at 1k-100k GPUs through a trace like the bench's: nodes of 8 GPUs get a
+    notice at random (one per ``--node-hours`` node-hours), come back after ``--back-min``
+    minutes. Per switch (a node leaving or coming back):
+
+    * live: every device's state moved once over its NIC (an upper bound of the exchange) +
+      the new world's communicators + building the job (the world is not formed ahead);
+      it trains on every device that stays;
+    * checkpoint: save + a cold start of the processes (measured here) + communicators +
+      build + load, at ``--ckpt-GBps`` per device; it trains on every device that stays;
+    * live, world ahead (not built for world changes yet: #37's first item): the same with the
+      communicators and the job formed while the job trains, so the switch is the exchange
+      and its commit vote;
+    * dp-only: the replicas' cross-replica communicators formed again (a group of as many
+      members as replicas; each replica's own keep running), a returning replica healing its
+      state from a peer over its NICs; it trains on whole replicas only (those without a node
+      that is out).
+
+    Throughput scales perfectly with the devices in use. The effective training time ratio is
+    (1 - switches per second x downtime per switch) x the mean fraction of devices in use."""
+    from dynatrain.ir.layout import DTYPE_BYTES
+    from dynatrain.ir.loader import load_spec
+    from dynatrain.ir.state import OPTIMIZER_KINDS
+    from dynatrain.ir.summary import rank_elements
+    from dynatrain.planner.cost import H100
+
+    rows = []
+    for path in SCALE_PRESETS:
+        spec = load_spec(os.path.join(HERE, "..", path))
+        lay = Layout(spec)
+        coords = [lay.coords(r) for r in range(lay.world)]
+        reps_base = min(1 + max(c.dp for c in coords), 1 + max(c.edp for c in coords))
+        replica = lay.world // reps_base  # devices holding one whole copy of the model
+        opt_bytes = sum(DTYPE_BYTES[getattr(spec.state, k)] for k in OPTIMIZER_KINDS
+                        if getattr(spec.state, k) is not None)
+        sample = range(0, lay.world, max(1, lay.world // 64))
+        per = [rank_elements(lay, r) for r in sample]
+        p_bytes = max(p for p, _ in per) * DTYPE_BYTES[spec.state.param]
+        o_bytes = max(o for _, o in per) * opt_bytes
+        for target in SCALES:
+            reps = max(1, round(target / replica))
+            n = reps * replica
+            nodes = n // 8
+            state = p_bytes + o_bytes * reps_base / reps  # the optimizer shards over replicas
+            per_hour = nodes / args.node_hours  # notices per hour
+            out_nodes = per_hour * args.back_min / 60.0  # nodes out at a time, on average
+            nodes_per_rep = max(1, replica // 8)
+            # Replicas hit by out_nodes nodes falling at random (expected count).
+            hit = reps * (1.0 - (1.0 - 1.0 / reps) ** out_nodes) if reps > 1 else \
+                min(1.0, out_nodes)
+            nccl = _nccl_init_s(n, args)
+            wire = state / (H100.inter_node_GBps * 1e9)
+            ckpt_io = state / (args.ckpt_GBps * 1e9)
+            regroup = _nccl_init_s(reps, args)  # cross-replica groups: as many as replicas
+            ways = {
+                "live": ((wire + nccl + args.build_s), 1.0 - out_nodes * 8 / n),
+                "live-ahead": (wire + VOTE_S, 1.0 - out_nodes * 8 / n),
+                "checkpoint": ((2 * ckpt_io + cold_start + nccl + args.build_s),
+                               1.0 - out_nodes * 8 / n),
+                # Leaving: communicators; coming back: heal from a peer + communicators.
+                "dp-only": ((2 * regroup + wire) / 2, 1.0 - hit * nodes_per_rep * 8 / n),
+            }
+            label = "/".join(os.path.splitext(path)[0].split("/")[1:])
+            row = {"preset": label, "gpus": n, "replica_gpus": replica,
+                   "state_GB_per_device": state / 1e9, "notices_per_hour": per_hour,
+                   "nodes_out": out_nodes, "nccl_init_s": nccl}
+            for way, (down, used) in ways.items():
+                busy = min(1.0, 2 * per_hour * down / 3600.0)  # two switches per notice
+                row[way] = {"downtime_per_switch_s": down, "devices_in_use": max(0.0, used),
+                            "ratio": (1.0 - busy) * max(0.0, used)}
+            rows.append(row)
+    return rows
+
+
+def scale_table(rows: list[dict], args, cold_start: float) -> str:
+    head = (f"{'preset':36s} {'GPUs':>7s} {'notices/h':>9s} {'out':>5s} | "
+            + " | ".join(f"{w:>10s} down  use  ratio" for w in MODEL_WAYS))
+    lines = [f"modelled (not measured): a node of 8 GPUs gets a notice every {args.node_hours:g}"
+             f" node-hours and is back after {args.back_min:g} min; communicators "
+             f"{args.nccl_init_s_1k:g} s at 1k GPUs to {args.nccl_init_s_100k:g} s at 100k "
+             f"(assumed), build {args.build_s:g} s, checkpoint I/O {args.ckpt_GBps:g} GB/s per "
+             f"device, cold start {cold_start:.1f} s (measured here), exchange at the H100 "
+             "preset's NIC speed", head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['preset'][:36]:36s} {r['gpus']:7d} {r['notices_per_hour']:9.2f} "
+                     f"{r['nodes_out']:5.1f} | " + " | ".join(
+                         f"{r[w]['downtime_per_switch_s']:9.1f}s {r[w]['devices_in_use']:5.3f} "
+                         f"{r[w]['ratio']:5.3f}" for w in MODEL_WAYS))
+    lines.append("published, each on its own trace: " + "; ".join(
+        f"{name}: {what}" for name, what in PUBLISHED))
+    return "\n".join(lines)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'way':11s} {'iterations':>10s} {'t_ff':>7s} {'wall':>7s} {'ratio':>6s} "
+            f"{'bound':>6s} | "
+            "events: downtime (devices after, layout)")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ev = "; ".join(
+            (f"{e['what']} {e['node']}: {e['downtime_s']:.2f} s ({e['devices']}, {e['layout']})"
+             + ("" if e.get("met_deadline", True) else " DEADLINE MISSED"))
+            if e["done"] else f"{e['what']} {e['node']}: not done" for e in r["events"])
+        lines.append(f"{r['way']:11s} {r['iterations']:10d} {r['failure_free_iteration_s']:6.3f}s"
+                     f" {r['wall_s']:6.1f}s {r['effective_training_time_ratio']:6.3f} "
+                     f"{r['without_downtime_ratio']:6.3f} | {ev}")
+    lines.append("downtime by phase (s):")
+    for r in rows:
+        for e in r["events"]:
+            if e["done"]:
+                lines.append(f"  {r['way']:11s} {e['what']} {e['node']}: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in e["phases_s"].items()))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], trace: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 1.8 * len(rows) + 0.6), sharex=True,
+                             squeeze=False)
+    for ax, r in zip(axes[:, 0], rows):
+        for t0, t1, n in r["timeline"]:
+            ax.broken_barh([(t0, t1 - t0)], (0, n), color="tab:blue")
+        for e in trace["events"]:
+            ax.axvline(e[0], color="tab:red" if e[1] == "notice" else "tab:green", lw=1)
+        ax.set_ylim(0, len(DEVICES) + 0.5)
+        ax.set_ylabel("devices")
+        ax.set_title(f"{r['way']}: {r['iterations']} iterations, effective training time "
+                     f"ratio {r['effective_training_time_ratio']:.2f}", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds (red: notice, green: capacity back)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", choices=sorted(TRACES), default="full")
+    ap.add_argument("--ways", default=",".join(WAYS),
+                    help=f"comma-separated, of {', '.join(WAYS)} (default: all)")
+    ap.add_argument("--work", type=float, default=16.0, metavar="S",
+                    help="an iteration's accelerator time on one device: it takes S / devices "
+                         "seconds (default 16: 2 s on 8 devices, longer than its real step "
+                         "here)")
+    ap.add_argument("--startup", type=float, default=15.0, metavar="S",
+                    help="seconds the processes get to start before the trace's clock starts")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "goodput_bench.json"))
+    ap.add_argument("--no-model", action="store_true", help="measure only (no model at scale)")
+    model = ap.add_argument_group("the model at scale (assumptions)")
+    model.add_argument("--node-hours", type=float, default=2000.0,
+                       help="node-hours per preemption notice (default 2000)")
+    model.add_argument("--back-min", type=float, default=30.0,
+                       help="minutes until a preempted node is back (default 30)")
+    model.add_argument("--nccl-init-s-1k", type=float, default=5.0,
+                       help="seconds to form a world's communicators at 1,024 GPUs (default 5)")
+    model.add_argument("--nccl-init-s-100k", type=float, default=60.0,
+                       help="the same at 102,400 GPUs (default 60)")
+    model.add_argument("--build-s", type=float, default=5.0,
+                       help="seconds to build the job on a device (default 5)")
+    model.add_argument("--ckpt-GBps", type=float, default=2.0,
+                       help="checkpoint write and read speed per device, GB/s (default 2)")
+    args = ap.parse_args()
+    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+    bad = [w for w in ways if w not in WAYS]
+    if bad or not ways:
+        ap.error(f"--ways: expected names from {', '.join(WAYS)} (got {args.ways!r})")
+    for name in ("work", "node_hours", "back_min", "nccl_init_s_1k", "nccl_init_s_100k",
+                 "build_s", "ckpt_GBps"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v >= 0) or (name in ("node_hours", "ckpt_GBps") and v == 0):
+            ap.error(f"--{name.replace('_', '-')}: a finite number "
+                     f"{'> 0' if name in ('node_hours', 'ckpt_GBps') else '>= 0'} (got {v})")
+    trace = TRACES[args.trace]
+    out: dict = {"environment": {"python": platform.python_version(), "torch": torch.__version__,
+                                 "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+                 "trace": args.trace, "events": trace["events"],
+                 "duration_s": trace["duration"], "work_s": args.work, "devices": DEVICES,
+                 "first_layout": "tp2-pp2-dp2", "global_batch": GLOBAL_BATCH, "seq": SEQ}
+    rows = []
+    for way in ways:
+        with tempfile.TemporaryDirectory(prefix=f"goodput_{way}_") as tmpdir:
+            run = run_checkpoint(trace, tmpdir, args) if way == "checkpoint" else \
+                run_live(way, trace, tmpdir, args)
+        rows.append(summarize(way, run))
+    out["ways"] = rows
+    out["cold_start_s"] = cold_start_seconds()
+    print(table(rows), flush=True)
+    print(f"a real restart also starts interpreters and imports torch and megatron on every "
+          f"node: {out['cold_start_s']:.1f} s for one process here (not in the checkpoint "
+          f"way's downtime above)")
+    if not args.no_model:
+        out["model"] = scale_model(args, out["cold_start_s"])
+        print(scale_table(out["model"], args, out["cold_start_s"]), flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(rows, trace, png)
+    out["plot"] = png
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

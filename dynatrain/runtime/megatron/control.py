@@ -12,7 +12,10 @@ boundary. It
    in the job, no layout on the rest), then tells every process the request's number (and a
    notice's milliseconds left) in one broadcast of three integers, so all of them act on the
    same request at the same boundary. For a notice, rank 0 picks the layout (the top of
-   ``suggest`` on the devices that stay) and posts it; every process prepares that one;
+   ``suggest`` on the devices that stay) in a thread of its own while the job trains on (at
+   scale ``suggest`` plans several switches: seconds the job would otherwise stall), posts it
+   and broadcasts the notice at the first boundary after the choice is made; every process
+   prepares that one;
 3. switches when the switch is due: a scheduled one at its iteration, a requested one at the
    first boundary where every process has its plan ready (an all-reduce of one flag).
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,6 +83,9 @@ class LiveControl:
         self.pending: _Pending | None = None
         self.last: SwitchResult | SwitchFailed | None = None
         self._handled = 0  # the last request number rank 0 looked at
+        # Rank 0: the notice whose layout is being chosen (number, notice, the choice).
+        self._choosing: tuple[int, dict, Future] | None = None
+        self._chooser: ThreadPoolExecutor | None = None
         self._publish()
 
     def _publish(self) -> None:
@@ -120,6 +127,14 @@ class LiveControl:
         """Rank 0: the next request's number (0: none), whether the job takes it (1) and, for a
         notice, the milliseconds left before its deadline."""
         rdzv = self.sw.rendezvous
+        if self._choosing is not None and self._choosing[2].done():
+            n, notice, choice = self._choosing
+            self._choosing = None
+            ms_left, refusal = self._chosen(n, notice, choice)
+            if refusal is not None:
+                answer(rdzv.store, n, "refused", f"refused: {refusal}")
+                return n, 0, 0
+            return n, 1, ms_left
         # Requests answered already (e.g. before this process became rank 0) are passed over.
         while rdzv.count("requests") > self._handled and rdzv.has(f"answer/{self._handled + 1}"):
             self._handled += 1
@@ -131,32 +146,57 @@ class LiveControl:
         if doc is None:  # numbered, not yet written: look again at the next boundary
             self._handled -= 1
             return 0, 0, 0
-        ms_left = 0
         try:
             refusal = self._refusal(doc)
             if refusal is None and "notice" in doc:
-                ms_left, refusal = self._choose_for_notice(n, doc["notice"])
+                refusal = self._choose_for_notice(n, doc["notice"])
+                if refusal is None:  # chosen in the background: taken up once it is made
+                    return 0, 0, 0
         except DynatrainError as err:
             refusal = _first_line(err)
         if refusal is not None:
             answer(rdzv.store, n, "refused", f"refused: {refusal}")
             return n, 0, 0
-        return n, 1, ms_left
+        return n, 1, 0
 
-    def _choose_for_notice(self, n: int, notice: dict) -> tuple[int, str | None]:
-        """Rank 0: the layout that meets notice ``n``, posted as ``notice/<n>``; the
-        milliseconds left and None, or 0 and why it is refused."""
+    @staticmethod
+    def _seconds_left(notice: dict) -> float:
+        return float(notice["deadline_unix"]) - time.time()
+
+    def _choose_for_notice(self, n: int, notice: dict) -> str | None:
+        """Rank 0: start choosing the layout that meets notice ``n`` (``check_notice``, in the
+        background); None, or why the notice is refused at once."""
         leaving, when = notice.get("leaving"), notice.get("deadline_unix")
         if (not isinstance(leaving, list) or not all(isinstance(d, str) for d in leaving)
                 or isinstance(when, bool) or not isinstance(when, (int, float))
                 or not math.isfinite(when)):
-            return 0, ("request: notice: expected {'leaving': [device names], "
-                       "'deadline_unix': seconds since the epoch, a finite number}")
-        left = float(when) - time.time()
+            return ("request: notice: expected {'leaving': [device names], "
+                    "'deadline_unix': seconds since the epoch, a finite number}")
+        left = self._seconds_left(notice)
         if not left > 0:
-            return 0, (f"notice: the deadline passed {-left:.1f} s before the job took the "
-                       "notice up (deadline_unix is on rank 0's clock)")
-        met = self.sw.check_notice(leaving, left)
+            return (f"notice: the deadline passed {-left:.1f} s before the job took the "
+                    "notice up (deadline_unix is on rank 0's clock)")
+        if self._chooser is None:
+            self._chooser = ThreadPoolExecutor(max_workers=1,
+                                               thread_name_prefix="dynatrain-notice")
+        self._choosing = (n, notice, self._chooser.submit(self.sw.check_notice, leaving, left))
+        return None
+
+    def _chosen(self, n: int, notice: dict, choice: Future) -> tuple[int, str | None]:
+        """Rank 0: the choice for notice ``n`` made; post it as ``notice/<n>``. The
+        milliseconds left and None, or 0 and why the notice is refused."""
+        if self.pending is not None:  # a scheduled switch became due meanwhile
+            return 0, self._refusal({})
+        try:
+            met = choice.result()
+        except DynatrainError as err:
+            return 0, _first_line(err)
+        except Exception as err:  # noqa: BLE001 — a bug in choosing must not stop training
+            return 0, f"notice: choosing a layout failed ({type(err).__name__}: {err})"
+        left = self._seconds_left(notice)
+        if not left > 0:
+            return 0, (f"notice: the deadline passed {-left:.1f} s before a layout on the "
+                       "devices that stay was chosen")
         self.sw.rendezvous.post(f"notice/{n}", {
             "dst": spec_to_dict(met.dst_spec, Layout(met.dst_spec).devices),
             "predicted_s": met.predicted_seconds})
@@ -168,6 +208,9 @@ class LiveControl:
             what = (f"request {self.pending.request}" if self.pending.request is not None
                     else f"the switch scheduled at iteration {self.pending.due}")
             return f"a switch is already under way ({what}); ask again when it is done"
+        if self._choosing is not None:
+            return (f"a switch is already under way (request {self._choosing[0]}: its layout "
+                    "is being chosen); ask again when it is done")
         if isinstance(doc, dict) and "notice" in doc:
             return (None if isinstance(doc["notice"], dict) else
                     "request: notice: expected {'leaving': [...], 'deadline_unix': ...}")

@@ -144,3 +144,57 @@ def test_requests_and_a_failing_build_inside_megatron_lm(tmp_path):
         assert all(e["args"] == tp2[0]["args"] and e["micro_batches"] == tp2[0]["micro_batches"]
                    for e in tp2)
         assert rec.iteration == 60
+
+
+def test_a_replacement_node_joins_the_running_job(tmp_path):
+    """A replacement node started apart (its own launch, its own store, ``DYNATRAIN_JOIN_AS=node1``
+    and the job's store in ``DYNATRAIN_STORE``) waits as two spares while node0 trains TP2; a
+    request for TP2 DP2 on both nodes takes them in. Every rank's state then equals Megatron-LM's
+    own restart from the checkpoint the live job saved at that iteration, ``--load``ed into TP2
+    DP2 on four processes, and the next iterations' losses are equal."""
+    import re
+
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=300))
+    job = dist.PrefixStore("mlm/", store)
+    ckpt = str(tmp_path / "ckpt")
+    base = BASE + ("--global-batch-size", "12")
+    out: dict = {}
+
+    def client():
+        try:
+            job.wait(["current"], datetime.timedelta(seconds=300))
+            doc = json.loads(job.get("current"))["spec"]
+            spares = ["node1:gpu0", "node1:gpu1"]
+            job.wait([f"spare/{d}" for d in spares], datetime.timedelta(seconds=300))
+            doc = dict(doc, world={"devices": ["node0:gpu0", "node0:gpu1", *spares]})
+            out["answer"] = wait_answer(job, post_request(job, doc, source="test"), 300)
+        except Exception as err:  # noqa: BLE001 — reported by the asserts below
+            out["error"] = err
+
+    thread = threading.Thread(target=client, daemon=True)
+    recs = lm.run_pretrain(
+        lm.argv(tp=2, iters=12, extra=base + ("--save", ckpt, "--save-interval", "1")), world=2,
+        timeout=900, started=thread.start, joiners=2,
+        join_env={"DYNATRAIN_JOIN_AS": "node1", "DYNATRAIN_STORE": f"127.0.0.1:{port}"},
+        options=LiveOptions(store=f"127.0.0.1:{port}", prefix="mlm", timeout=120))
+    thread.join(timeout=60)
+    assert "error" not in out, out.get("error")
+    ans = out["answer"]
+    assert ans.outcome == "switched", ans
+    [at] = map(int, re.findall(r"at iteration (\d+)", ans.line))
+    assert at < 12, ans.line
+    ref = lm.run_pretrain(lm.argv(tp=2, iters=12, load=ckpt, extra=base + (
+        "--ckpt-step", str(at))), world=4, timeout=600)
+    for rank, rec in enumerate(recs):  # the job's two ranks, then node1's
+        mine, theirs = rec.at_train[at], ref[rank].at_train[at]
+        assert mine["layout"] == theirs["layout"] == (2, 1, 2)
+        assert mine["args"] == theirs["args"] and mine["micro_batches"] == theirs["micro_batches"]
+        assert mine["scheduler"] == theirs["scheduler"] and mine["consumed"] == theirs["consumed"]
+        assert _same(mine["state"], theirs["state"]) == [], f"rank {rank}"
+        assert rec.iteration == 12
+    its = range(at + 1, 13)
+    got = {i: r.losses[i] for r in recs for i in its if i in r.losses}
+    want = {i: r.losses[i] for r in ref for i in its if i in r.losses}
+    assert got and got == want

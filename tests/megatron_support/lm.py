@@ -224,18 +224,18 @@ def _refuse_carried_scheduler_once() -> None:
 
 
 def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any = None,
-            fail_carry: int | None = None) -> None:
+            fail_carry: int | None = None, tag: str = "rank", env: dict | None = None) -> None:
     os.setpgrp()  # the launcher ends this process and any it started (checkpoint writers, Manager)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world),
-                      GLOO_SOCKET_IFNAME="lo", CUDA_DEVICE_MAX_CONNECTIONS="1")
+                      GLOO_SOCKET_IFNAME="lo", CUDA_DEVICE_MAX_CONNECTIONS="1", **(env or {}))
     if fail_carry == rank:
         _refuse_carried_scheduler_once()
     try:
         rec = Record()
         held = _instrument(rec)
-        store = torch.distributed.FileStore(os.path.join(tmpdir, "store"), world)
+        store = torch.distributed.FileStore(os.path.join(tmpdir, f"store-{tag}"), world)
         sys.argv = ["pretrain_gpt.py", *argv_]
         with megatron_lm_cpu(force=True):
             args = parse_and_validate_args()
@@ -253,26 +253,33 @@ def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any =
                         ("iteration", "consumed_train_samples", "tensor_model_parallel_size",
                          "pipeline_model_parallel_size", "data_parallel_size")}
         torch.distributed.barrier()
-        torch.save(rec, os.path.join(tmpdir, f"rank{rank}.pt.tmp"))
-        os.replace(os.path.join(tmpdir, f"rank{rank}.pt.tmp"), os.path.join(tmpdir, f"rank{rank}.pt"))
+        torch.save(rec, os.path.join(tmpdir, f"{tag}{rank}.pt.tmp"))
+        os.replace(os.path.join(tmpdir, f"{tag}{rank}.pt.tmp"), os.path.join(tmpdir, f"{tag}{rank}.pt"))
     except BaseException as e:  # noqa: BLE001 - report, then exit non-zero
-        with open(os.path.join(tmpdir, f"rank{rank}.error.json"), "w") as f:
+        with open(os.path.join(tmpdir, f"{tag}{rank}.error.json"), "w") as f:
             json.dump({"message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}, f)
         sys.exit(1)
 
 
 def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
                  options: Any = None, fail_carry: int | None = None,
-                 started: Any = None) -> list[Record]:
+                 started: Any = None, joiners: int = 0,
+                 join_env: dict | None = None) -> list[Record]:
     """Run Megatron-LM's ``pretrain`` with ``argv_`` in ``world`` forked gloo processes (not
     daemonic: the dist-checkpoint writer starts processes of its own); one Record per rank.
     With ``options`` (``dynatrain.megatron_lm.LiveOptions``) DynaTrain's ``pretrain`` runs
     instead, with live switches. ``started`` runs once every process is forked: start a
     test's own threads there (a fork while another thread holds a lock can leave the child
-    waiting on it forever)."""
+    waiting on it forever). ``joiners`` more processes start as a replacement node launched
+    apart (ranks 0.. of a world of their own, their own store, ``join_env`` added to their
+    environment); their Records follow the job's."""
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="mlm_loop_") as tmpdir:
-        procs = [ctx.Process(target=_worker, args=(r, world, argv_, tmpdir, options, fail_carry)) for r in range(world)]
+        names = [("rank", r) for r in range(world)] + [("join", r) for r in range(joiners)]
+        procs = [ctx.Process(target=_worker, args=(
+            r, world if tag == "rank" else joiners, argv_, tmpdir, options,
+            fail_carry if tag == "rank" else None, tag, None if tag == "rank" else join_env))
+            for tag, r in names]
         for p in procs:
             p.start()
         if started is not None:
@@ -283,20 +290,21 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
             while time.monotonic() < deadline and any(p.exitcode is None for p in procs) \
                     and not any(p.exitcode for p in procs):
                 procs[0].join(0.5)
-            failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+            failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
         finally:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.join(5)
-        for r in failed:
-            path = os.path.join(tmpdir, f"rank{r}.error.json")
+        for i in failed:
+            tag, r = names[i]
+            path = os.path.join(tmpdir, f"{tag}{r}.error.json")
             if os.path.exists(path):
                 with open(path) as f:
                     e = json.load(f)
-                raise RuntimeError(f"rank {r}: {e['message']}\n{e['traceback']}")
+                raise RuntimeError(f"{tag} {r}: {e['message']}\n{e['traceback']}")
         if failed:
-            raise RuntimeError(f"ranks {failed} did not finish within {timeout:.0f} s "
-                               f"(exit codes {[procs[r].exitcode for r in failed]})")
-        return [torch.load(os.path.join(tmpdir, f"rank{r}.pt"), weights_only=False)
-                for r in range(world)]
+            raise RuntimeError(f"{[names[i] for i in failed]} did not finish within "
+                               f"{timeout:.0f} s (exit codes {[procs[i].exitcode for i in failed]})")
+        return [torch.load(os.path.join(tmpdir, f"{tag}{r}.pt"), weights_only=False)
+                for tag, r in names]

@@ -45,6 +45,7 @@ import functools
 import inspect
 import os
 import random
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,13 @@ class LiveOptions:
         prepare_ahead: iterations between planning a scheduled switch and running it.
         gpus_per_node: for the device names ``node<N>:gpu<L>`` (default torchrun's
             ``LOCAL_WORLD_SIZE``).
+        join_as: the node name of a replacement node (default the environment's
+            ``DYNATRAIN_JOIN_AS``): its processes, launched by a torchrun of their own, form no
+            group at start; each waits in the job's store as the spare ``<join_as>:gpu<L>``
+            (``L``: ``LOCAL_RANK``) until a switch takes it in (a request naming it, e.g.
+            ``dynatrain switch --store``), then trains with the job. It needs the job's store
+            (``store``) and ``requests``; it takes the schedule's switches that come after it
+            joined.
     """
 
     schedule: Mapping[int, LayoutSpec | str | Mapping[str, Any]] = field(default_factory=dict)
@@ -96,6 +104,7 @@ class LiveOptions:
     budget_bytes: int = 2 << 30
     prepare_ahead: int = 2
     gpus_per_node: int | None = None
+    join_as: str | None = None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -313,30 +322,44 @@ class _Driver:
                 out[it] = target
         return out
 
-    def _rendezvous(self, args: Any) -> Rendezvous:
+    def _rendezvous(self, args: Any, where: str | None = None) -> Rendezvous:
         from .requests import parse_store_address
 
-        store = self.call.get("store")
-        if self.options.store is not None or store is None:
-            where = self.options.store or (f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
-                                           f"{os.environ.get('MASTER_PORT', '29500')}")
+        store = None if where is not None else self.call.get("store")
+        if where is not None or self.options.store is not None or store is None:
+            where = where or self.options.store or (
+                f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:"
+                f"{os.environ.get('MASTER_PORT', '29500')}")
             host, port, _ = parse_store_address(where)
             store = dist.TCPStore(host, port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.options.timeout))
         return Rendezvous(store, args.distributed_backend, prefix=self.options.prefix,
                           timeout=self.options.timeout)
 
+    def joining_as(self) -> str | None:
+        """The node this process joins the running job as (None: it starts the job)."""
+        name = self.options.join_as or os.environ.get("DYNATRAIN_JOIN_AS") or None
+        if name is not None and re.fullmatch(r"node[0-9]+", name) is None:
+            raise DynatrainError(f"join_as / DYNATRAIN_JOIN_AS: a node name node<N>, as device "
+                                 f"ids name nodes (got {name!r})")
+        return name
+
     def device(self) -> str:
+        node = self.joining_as()
+        if node is not None:
+            return f"{node}:gpu{_env_int('LOCAL_RANK', 0)}"
         gpus = self.options.gpus_per_node or _env_int("LOCAL_WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
         return f"node{rank // gpus}:gpu{rank % gpus}"
 
     def run(self) -> None:
         from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.training import get_args, get_timers
+        from megatron.training import get_args
         from megatron.training import training as mt
 
         c = self.call
+        if self.joining_as() is not None:
+            return self._join()
         # Looked up in training's namespace, as pretrain does (so a shim there applies).
         mt.initialize_megatron(get_embedding_ranks=c.get("get_embedding_ranks"),
                             get_position_embedding_ranks=c.get("get_position_embedding_ranks"),
@@ -359,6 +382,43 @@ class _Driver:
         self.control = LiveControl(sw, schedule=self._schedule(spec),
                                    requests=self.options.requests,
                                    prepare_ahead=self.options.prepare_ahead)
+        if sw.leader:  # what a replacement node resolves the schedule against
+            sw.rendezvous.post("first", {"spec": spec_to_dict(spec, Layout(spec).devices)})
+        self._loop(job, sw)
+
+    def _join(self) -> None:
+        """A replacement node's process: Megatron-LM's startup without forming a group, then a
+        spare until a switch takes it in, then the job's loop."""
+        from megatron.training import get_args
+        from megatron.training import training as mt
+
+        where = self.options.store or os.environ.get("DYNATRAIN_STORE") or None
+        if where is None:
+            raise DynatrainError("join_as: a replacement node needs the job's store: "
+                                 "LiveOptions(store='HOST:PORT') or DYNATRAIN_STORE=HOST:PORT (its "
+                                 "own torchrun's is another one)")
+        if not self.options.requests:
+            raise DynatrainError("join_as: a replacement node joins through a request; "
+                                 "requests=False leaves it no way in")
+        # initialize_megatron's logging and rerun state, without torch.distributed (the
+        # switch that takes this process in forms its groups).
+        mt.initialize_megatron(skip_mpu_initialization=True)
+        args = get_args()
+        self._refuse_unsupported(args)
+        self.target = args.train_iters
+        rdzv = self._rendezvous(args, where)
+        first = rdzv.wait("first", self.options.timeout)
+        sw = LiveSwitcher(None, self.device(), self.build, self.verify, rendezvous=rdzv,
+                          budget_bytes=self.options.budget_bytes, timeout=self.options.timeout,
+                          init_kwargs=self.init_kwargs(), global_state=MegatronLMState(self))
+        self.control = LiveControl(sw, schedule=self._schedule(spec_from_dict(first["spec"])),
+                                   requests=True, prepare_ahead=self.options.prepare_ahead)
+        self._loop(None, sw)
+
+    def _loop(self, job: MegatronJob | None, sw: LiveSwitcher) -> None:
+        from megatron.training import get_timers
+        from megatron.training import training as mt
+
         real_step = mt.train_step
         mt.train_step = self._step_wrapper(real_step)
         try:

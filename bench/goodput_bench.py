@@ -190,6 +190,7 @@ def live_worker(device: str, store_path: str, start_unix: float, end_unix: float
             if sw.leader:
                 log.write(kind="iteration", iteration=job.iteration, t0=t0, t1=time.time(),
                           devices=n, layout=sw.spec.name)
+        ctl.close()
         sw.close()
 
 

@@ -177,9 +177,10 @@ def test_the_watchdog_aborts_once_when_a_peer_stops_beating(tmp_path) -> None:
 
 
 def test_the_watchdog_waits_for_a_peer_that_is_still_starting(tmp_path) -> None:
-    """A peer that has not beaten yet (its node still builds the job) is not taken for dead,
-    however long it takes; once it beats, it is watched like the others (the job's watchdog:
-    ``Liveness(beaten_only=True)``). A CI run aborted on a peer that started 4.5 s late."""
+    """A peer that has not beaten yet (its node still builds the job) is not taken for dead
+    within the grace (the job's watchdog: the group timeout or ten times ``abort_after``); once
+    it beats it is watched like the others; one that never beats is stale after the grace. A CI
+    run aborted on a peer that started 4.5 s late."""
     import time
 
     import torch.distributed as dist
@@ -192,7 +193,7 @@ def test_the_watchdog_waits_for_a_peer_that_is_still_starting(tmp_path) -> None:
     devs = ["node0:gpu0", "node0:gpu1"]
     first = Heartbeat(rdzv, devs[0], 0.02)
     aborted: list[float] = []
-    dog = Watchdog(lambda: devs, Liveness(rdzv, 0.3, beaten_only=True).stale,
+    dog = Watchdog(lambda: devs, Liveness(rdzv, 0.3, grace=30.0).stale,
                    abort=lambda: aborted.append(time.monotonic()), poll=0.05)
     time.sleep(1.0)  # gpu1 never beat in three times abort_after
     assert aborted == [] and dog.fired is None
@@ -204,12 +205,16 @@ def test_the_watchdog_waits_for_a_peer_that_is_still_starting(tmp_path) -> None:
     while not aborted and time.monotonic() - stopped < 5:
         time.sleep(0.02)
     assert dog.fired is not None and dog.fired[0] == ("node0:gpu1",), dog.fired
-    # Without beaten_only the same start is taken for a death.
-    plain, watched = Liveness(rdzv, 0.1), Liveness(rdzv, 0.1, beaten_only=True)
-    for live in (plain, watched):
-        live.stale(["node0:gpu3"])
-    time.sleep(0.2)
-    assert plain.stale(["node0:gpu3"]) == {"node0:gpu3"}
-    assert watched.stale(["node0:gpu3"]) == set()
     first.stop()
     dog.stop()
+    # A counter that does not move from where it was first seen (never beaten, or a name a dead
+    # process beat under before) is stale after the grace, not after stale_after.
+    rdzv.beat("node0:gpu3")  # a dead process's last beat
+    plain, graced = Liveness(rdzv, 0.1), Liveness(rdzv, 0.1, grace=0.6)
+    for live in (plain, graced):
+        assert live.stale(["node0:gpu2", "node0:gpu3"]) == set()  # the first look
+    time.sleep(0.2)
+    assert plain.stale(["node0:gpu2", "node0:gpu3"]) == {"node0:gpu2", "node0:gpu3"}
+    assert graced.stale(["node0:gpu2", "node0:gpu3"]) == set()
+    time.sleep(0.5)
+    assert graced.stale(["node0:gpu2", "node0:gpu3"]) == {"node0:gpu2", "node0:gpu3"}

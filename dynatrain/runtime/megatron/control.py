@@ -83,8 +83,9 @@ class LiveControl:
         self.pending: _Pending | None = None
         self.last: SwitchResult | SwitchFailed | None = None
         self._handled = 0  # the last request number rank 0 looked at
-        # Rank 0: the notice whose layout is being chosen (number, notice, the choice).
-        self._choosing: tuple[int, dict, Future] | None = None
+        # Rank 0: the notice whose layout is being chosen (number, notice, the choice, the
+        # layout it is chosen from).
+        self._choosing: tuple[int, dict, Future, LayoutSpec | None] | None = None
         self._chooser: ThreadPoolExecutor | None = None
         self._publish()
 
@@ -128,13 +129,17 @@ class LiveControl:
         notice, the milliseconds left before its deadline."""
         rdzv = self.sw.rendezvous
         if self._choosing is not None and self._choosing[2].done():
-            n, notice, choice = self._choosing
+            n, notice, choice, spec = self._choosing
             self._choosing = None
-            ms_left, refusal = self._chosen(n, notice, choice)
-            if refusal is not None:
-                answer(rdzv.store, n, "refused", f"refused: {refusal}")
-                return n, 0, 0
-            return n, 1, ms_left
+            if not rdzv.has(f"answer/{n}"):  # (another rank 0 may have answered it meanwhile)
+                try:
+                    ms_left, refusal = self._chosen(n, notice, choice, spec)
+                except Exception as err:  # noqa: BLE001 — answered; every rank goes on
+                    ms_left, refusal = 0, f"notice: {type(err).__name__}: {_first_line(err)}"
+                if refusal is not None:
+                    answer(rdzv.store, n, "refused", f"refused: {refusal}")
+                    return n, 0, 0
+                return n, 1, ms_left
         # Requests answered already (e.g. before this process became rank 0) are passed over.
         while rdzv.count("requests") > self._handled and rdzv.has(f"answer/{self._handled + 1}"):
             self._handled += 1
@@ -179,14 +184,19 @@ class LiveControl:
         if self._chooser is None:
             self._chooser = ThreadPoolExecutor(max_workers=1,
                                                thread_name_prefix="dynatrain-notice")
-        self._choosing = (n, notice, self._chooser.submit(self.sw.check_notice, leaving, left))
+        self._choosing = (n, notice, self._chooser.submit(self.sw.check_notice, leaving, left),
+                          self.sw.spec)
         return None
 
-    def _chosen(self, n: int, notice: dict, choice: Future) -> tuple[int, str | None]:
+    def _chosen(self, n: int, notice: dict, choice: Future,
+                spec: LayoutSpec | None) -> tuple[int, str | None]:
         """Rank 0: the choice for notice ``n`` made; post it as ``notice/<n>``. The
         milliseconds left and None, or 0 and why the notice is refused."""
         if self.pending is not None:  # a scheduled switch became due meanwhile
             return 0, self._refusal({})
+        if self.sw.spec is not spec:
+            return 0, ("notice: the job switched while a layout for the notice was being "
+                       "chosen; notice again")
         try:
             met = choice.result()
         except DynatrainError as err:
@@ -201,6 +211,20 @@ class LiveControl:
             "dst": spec_to_dict(met.dst_spec, Layout(met.dst_spec).devices),
             "predicted_s": met.predicted_seconds})
         return max(1, min(int(left * 1000), 1 << 62)), None  # an int64 in the broadcast
+
+    def close(self) -> None:
+        """Stop choosing (rank 0: a notice whose layout is still being chosen is answered as
+        refused). Call when training ends."""
+        if self._choosing is not None:
+            n = self._choosing[0]
+            self._choosing = None
+            rdzv = self.sw.rendezvous
+            if rdzv is not None and not rdzv.has(f"answer/{n}"):
+                answer(rdzv.store, n, "refused", "refused: notice: the job ended before a "
+                       "layout for it was chosen")
+        if self._chooser is not None:
+            self._chooser.shutdown(wait=False, cancel_futures=True)
+            self._chooser = None
 
     def _refusal(self, doc: dict) -> str | None:
         """Why rank 0 refuses a request before any process plans it (None: it does not)."""

@@ -656,7 +656,10 @@ class LiveSwitcher:
         assert self.rendezvous is not None and self.abort_after is not None
         if self.watchdog is not None:
             self.watchdog.stop()
-        look = Liveness(self.rendezvous, self.abort_after, beaten_only=True)
+        # A peer that has not beaten since this watchdog started gets the group timeout (or
+        # ten times abort_after) before it counts as stopped: it may still be starting.
+        grace = max(self.collective_timeout or 0.0, 10.0 * self.abort_after)
+        look = Liveness(self.rendezvous, self.abort_after, grace=grace)
 
         def peers() -> tuple[str, ...]:
             # Never this process's own device: it runs, whatever its heartbeat thread did.

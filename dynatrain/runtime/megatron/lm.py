@@ -382,8 +382,9 @@ class _Driver:
         self.control = LiveControl(sw, schedule=self._schedule(spec),
                                    requests=self.options.requests,
                                    prepare_ahead=self.options.prepare_ahead)
-        if sw.leader:  # what a replacement node resolves the schedule against
-            sw.rendezvous.post("first", {"spec": spec_to_dict(spec, Layout(spec).devices)})
+        if sw.leader:  # what a replacement node resolves the schedule against and checks
+            sw.rendezvous.post("first", {"spec": spec_to_dict(spec, Layout(spec).devices),
+                                         "train_iters": self.target})
         self._loop(job, sw)
 
     def _join(self) -> None:
@@ -405,10 +406,27 @@ class _Driver:
         mt.initialize_megatron(skip_mpu_initialization=True)
         args = get_args()
         self._refuse_unsupported(args)
+        for flag, why in (("tp_comm_overlap", "its userbuffers are set up with the first "
+                           "groups"), ("adlr_autoresume", "autoresume starts with the job")):
+            if getattr(args, flag, False):
+                raise DynatrainError(f"{flag}: not supported on a replacement node ({why})")
+        # What _initialize_distributed does first, as initialize.py does it.
+        if torch.cuda.device_count() > 0:
+            torch.cuda.set_device(args.local_rank)
+        mt.set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
         self.target = args.train_iters
         rdzv = self._rendezvous(args, where)
         first = rdzv.wait("first", self.options.timeout)
-        sw = LiveSwitcher(None, self.device(), self.build, self.verify, rendezvous=rdzv,
+        if first.get("train_iters") != self.target:
+            raise DynatrainError(f"train_iters: the job trains {first.get('train_iters')} "
+                                 f"iterations; this node was launched with {self.target} (launch "
+                                 "it with the job's arguments)")
+        device = self.device()
+        now = rdzv.read("current")
+        if now is not None and device in Layout(spec_from_dict(now["spec"])).devices:
+            raise DynatrainError(f"join_as: {device} already runs a rank of the job; name "
+                                 "another node")
+        sw = LiveSwitcher(None, device, self.build, self.verify, rendezvous=rdzv,
                           budget_bytes=self.options.budget_bytes, timeout=self.options.timeout,
                           init_kwargs=self.init_kwargs(), global_state=MegatronLMState(self))
         self.control = LiveControl(sw, schedule=self._schedule(spec_from_dict(first["spec"])),
@@ -425,6 +443,7 @@ class _Driver:
             job = self._train(job, sw, get_timers())
         finally:
             mt.train_step = real_step
+            self.control.close()
         if job is not None:
             self._finish(job)
         sw.close()
@@ -466,6 +485,11 @@ class _Driver:
                     return None
                 job = result.job
                 self._carry_in(job, args)
+                # The job's processes never run what was due before the boundary it joined at
+                # plus prepare_ahead (they had a switch under way then): nor does this one.
+                for due in [d for d in self.control.schedule
+                            if d < args.iteration + self.control.ahead]:
+                    del self.control.schedule[due]
             train_it, valid_it, test_it = self.iterators(len(job.model_chunks))
             self.iterators_now = (train_it, valid_it, test_it)
             if args.iteration >= self.target:

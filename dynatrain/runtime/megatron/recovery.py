@@ -104,23 +104,30 @@ class Liveness:
     """Which devices' heartbeats stopped: counters unchanged for ``stale_after`` seconds of
     this process's own clock (no clocks are compared across processes).
 
-    With ``beaten_only`` a device that never beat is never stale: a watchdog must not take a
-    peer that is still starting (a slow node builds its job seconds after the others) for a
-    dead one; the group timeout still releases a collective on a peer that never came."""
+    With ``grace`` a device whose counter has not moved since this object first saw it (it has
+    not beaten yet, e.g. a slow node still building the job, or a replacement reusing a dead
+    device's name) is stale only after ``grace`` seconds: a watchdog must not take a peer that
+    is still starting for a dead one, nor wait on one that never starts forever."""
 
-    def __init__(self, rdzv: Rendezvous, stale_after: float, beaten_only: bool = False) -> None:
-        self.rdzv, self.stale_after, self.beaten_only = rdzv, stale_after, beaten_only
-        self._seen: dict[str, tuple[int, float]] = {}  # device -> (counter, when it last moved)
+    def __init__(self, rdzv: Rendezvous, stale_after: float, grace: float | None = None) -> None:
+        self.rdzv, self.stale_after, self.grace = rdzv, stale_after, grace
+        # device -> (counter, when it last moved, the counter first seen)
+        self._seen: dict[str, tuple[int, float, int]] = {}
 
     def stale(self, devices: tuple[str, ...] | list[str]) -> set[str]:
         now = time.monotonic()
         out = set()
         for d, n in self.rdzv.beats(devices).items():
             last = self._seen.get(d)
-            if last is None or last[0] != n:
-                self._seen[d] = (n, now)
-            elif now - last[1] >= self.stale_after and (n > 0 or not self.beaten_only):
-                out.add(d)
+            if last is None:
+                self._seen[d] = (n, now, n)
+            elif last[0] != n:
+                self._seen[d] = (n, now, last[2])
+            else:
+                started = n != last[2]
+                limit = self.stale_after if started or self.grace is None else self.grace
+                if now - last[1] >= limit:
+                    out.add(d)
         return out
 
 

@@ -38,15 +38,15 @@ interpreter and importing torch and megatron (``cold_start_s`` in the JSON measu
 for one process on this machine: a real restart pays it on every node).
 
 Reported per way: iterations done, the failure-free iteration time (the median period, start to
-start, of the first layout's iterations before the first event, the first left out), the
-effective training time ratio (iterations done x failure-free iteration time / wall time, the
-wall time being the trace's: every way's first iteration starts when its clock does), the same
-ratio without any downtime (``bound``: the devices the way trains on after each event, from the
-event on, over the first layout's 8) and per event the downtime (the gap between the last
-iteration before it and the first one after it, plus any stall at the boundaries between the
-event and it), by phase, iterations lost, and the devices and layout after it. A plot of the
-timeline is written next to the JSON. Failures without notice are not in the trace
-(``recovery_bench.py`` measures recoveries).
+start, of two iterations in a row in the first layout with no event between them, the first
+period left out), the effective training time ratio (iterations done x failure-free iteration
+time / wall time, the wall time being the trace's: every way's first iteration starts when its
+clock does), the same ratio without any downtime (``bound``: the devices the way trains on after
+each event, from the event on, over the first layout's 8) and per event the downtime (the gap
+between the last iteration before it and the first one after it, plus any stall at the
+boundaries between the event and it), by phase, iterations lost, and the devices and layout
+after it. A plot of the timeline is written next to the JSON. Failures without notice are not in
+the trace (``recovery_bench.py`` measures recoveries).
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ TRACES = {
                                            (100.0, "back", "node3", None),
                                            (150.0, "notice", "node1", 30.0),
                                            (200.0, "back", "node1", None)]},
-    "short": {"duration": 38.0, "events": [(10.0, "notice", "node3", 15.0),
-                                           (24.0, "back", "node3", None)]},
+    "short": {"duration": 42.0, "events": [(10.0, "notice", "node3", 15.0),
+                                           (28.0, "back", "node3", None)]},
 }
 
 
@@ -419,11 +419,16 @@ def summarize(way: str, run: dict) -> dict:
     numbers = [r["iteration"] for r in its]
     if numbers != list(range(1, len(numbers) + 1)):
         raise RuntimeError(f"{way}: iterations not counted once each, in order: {numbers[:40]}")
-    first_event = run["start"] + run["events"][0]["at"] if run["events"] else run["end"]
-    # An iteration's period: its step and the boundary after it (where requests are looked at).
-    steady = [b["t0"] - a["t0"] for a, b in zip(its, its[1:]) if b["t1"] <= first_event][1:]
+    # An iteration's period: its step and the boundary after it (where requests are looked
+    # at), between two iterations of the first layout with no event between them (the first
+    # layout comes back with the capacity; the very first period is left out).
+    first = (its[0]["layout"], its[0]["devices"]) if its else None
+    at = [run["start"] + e["at"] for e in run["events"]]
+    steady = [b["t0"] - a["t0"] for a, b in zip(its[1:], its[2:])
+              if (a["layout"], a["devices"]) == (b["layout"], b["devices"]) == first
+              and not any(a["t0"] < t <= b["t0"] for t in at)]
     if not steady:
-        raise RuntimeError(f"{way}: no iteration before the first event to time")
+        raise RuntimeError(f"{way}: no two iterations of the first layout in a row to time")
     t_ff = statistics.median(steady)
     t_begin = run["start"]
     wall = run["end"] - t_begin

@@ -91,7 +91,8 @@ def _claims(name: str, doc: dict) -> None:
         assert set(notice["checkpoint"]["phases_s"]) >= {"save", "build", "load"}
         assert "exchange" in notice["live"]["phases_s"]
         assert Path(doc["plot"]).is_file()
-        # The model at scale: every preset at every scale, each way a ratio in [0, 1]; forming
+        # The model at scale (bench/goodput_model.py, which goodput_bench runs): every preset
+        # at every scale, each way a ratio in [0, 1]; forming
         # the world ahead never costs goodput.
         assert len(doc["model"]) == 9
         for row in doc["model"]:

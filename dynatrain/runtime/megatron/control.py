@@ -41,6 +41,7 @@ from ...ir.errors import EXIT_BAD_INPUT, DynatrainError
 from ...ir.layout import Layout
 from ...ir.loader import spec_from_dict, spec_to_dict
 from ...ir.spec import LayoutSpec
+from ...report.summary import grid
 from .job import MegatronJob, Notice, SwitchFailed, SwitchResult
 from .live import LiveSwitcher
 from .requests import answer
@@ -323,7 +324,9 @@ class LiveControl:
             left = p.notice.seconds_left()
             met = (f"; met the notice, {left:.1f} s before its deadline" if left >= 0 else
                    f"; ended {-left:.1f} s after the notice's deadline")
+        # The layout's grid beside its name: a request built from the job's own spec keeps
+        # the job's name, whatever layout it asks for.
         self._answer(p.request, "switched",
-                     f"{p.spec.name} on {len(Layout(p.spec).devices)} devices at "
-                     f"iteration {it} (downtime {seconds:.2f} s){met}", leader)
+                     f"{p.spec.name} ({grid(Layout(p.spec))}) on {len(Layout(p.spec).devices)} "
+                     f"devices at iteration {it} (downtime {seconds:.2f} s){met}", leader)
         return result.job

@@ -62,7 +62,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the processes are forked: no CUDA in this one
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,6 +80,7 @@ from dynatrain.runtime.megatron import LiveSwitcher, Rendezvous, cpu, parallel_k
 from dynatrain.runtime.megatron.control import LiveControl  # noqa: E402
 from dynatrain.runtime.megatron.requests import post_notice, post_request  # noqa: E402
 from dynatrain.verify.check import check  # noqa: E402
+from forked import run_forked  # noqa: E402  (bench/)
 from goodput_model import scale_model, scale_table  # noqa: E402  (bench/: the model at scale)
 
 NODES, GPUS = 4, 2
@@ -248,17 +248,11 @@ def checkpoint_worker(device: str, devices: list[str], spec_doc: dict, segment: 
 
 
 def _run(target, args_, err_dir: str, name: str) -> None:
-    os.setpgid(0, 0)
-    try:
+    def quietly(*a):
         example.quiet_library_warnings()
-        target(*args_)
-    except BaseException:  # noqa: BLE001 — the bench reports it
-        with open(os.path.join(err_dir, f"error-{name}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        target(*a)
+
+    run_forked(quietly, args_, os.path.join(err_dir, f"error-{name}.txt"))
 
 
 class Processes:

@@ -43,7 +43,6 @@ import platform
 import sys
 import tempfile
 import time
-import traceback
 
 # The processes are forked from this one, and CUDA cannot be used after a fork once the parent
 # touched it (importing megatron does). One process per GPU is needed for NCCL, so unless asked
@@ -59,6 +58,7 @@ import torch.distributed as dist  # noqa: E402
 
 import live_switch_gpt as example  # noqa: E402  (imports megatron once, here: workers start warm)
 import mcore_job  # noqa: E402
+from forked import run_forked  # noqa: E402  (bench/)
 
 from dynatrain.ir.layout import Layout  # noqa: E402
 from dynatrain.ir.state import view_of  # noqa: E402
@@ -229,16 +229,8 @@ def store_get_float(store, key: str) -> float:
 
 
 def _run_worker(device, model, store_path, tmpdir, args, err_dir) -> None:
-    os.setpgid(0, 0)
-    try:
-        worker(device, model, store_path, tmpdir, args)
-    except BaseException:  # noqa: BLE001
-        with open(os.path.join(err_dir, f"{device}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_forked(worker, (device, model, store_path, tmpdir, args),
+               os.path.join(err_dir, f"{device}.txt"))
 
 
 def run_model(model: str, args) -> list[dict]:

@@ -143,6 +143,7 @@ if __name__ == "__main__":
     quiet_library_warnings()
 
 import datetime  # noqa: E402  (a wrong launch is refused before torch and megatron load)
+from concurrent import futures  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -259,6 +260,12 @@ def run(device: str, rdzv: Rendezvous, schedule: list, iterations: int, args) ->
             continue
         if it + ahead in switch_at:
             pending = sw.prepare(switch_at[it + ahead][0])  # plans while it trains
+        if it + 1 in switch_at and pending is not None:
+            # The boundary before the switch: a same-devices switch's destination job is built
+            # now (once every process has its plan), so the switch only checks, exchanges and
+            # votes. Another world's is built at the switch (the reason is kept).
+            futures.wait([pending])
+            sw.build_ahead()
         loss = trainer.step(job)
         printer = (loss is not None and ps.get_tensor_model_parallel_rank() == 0
                    and ps.get_data_parallel_rank() == 0)
@@ -289,7 +296,8 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
     s, r = result.seconds, result.report
     mine = torch.tensor([r["bytes_received"], r["bytes_local"], s["downtime"], s["exchange"],
                          s.get("plan", 0.0) + s.get("verify", 0.0), r["rounds"],
-                         float(result.role == "joined")], dtype=torch.float64)
+                         float(result.role == "joined"), r.get("arrived_at", -1.0),
+                         r.get("left_at", -1.0)], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         mine = mine.cuda()
     got = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -300,18 +308,30 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
            "bytes_local": int(t[:, 1].sum()), "downtime_s": float(t[:, 2].max()),
            "exchange_s": float(t[:, 3].max()), "plan_verify_s": float(t[:, 4].max()),
            "rounds": int(t[:, 5].max())}
+    # The job's downtime: from the last process's arrival at the boundary to the last one's
+    # departure (one machine's wall clock; a process's own downtime includes its wait for the
+    # slower ones to finish their iteration).
+    rec["job_downtime_s"] = (float(t[:, 8].max() - t[:, 7].max()) if bool((t[:, 7] > 0).all())
+                             else None)
     if plan is not None:
         topo = PRESETS["h100" if dist.get_backend() == "nccl" else "gloo-local"]
         rec["predicted_exchange_s"] = predicted_downtime(plan, topo).total_seconds
     # The downtime by phase: each phase's slowest process (the phases hold each other up, so
     # their sum is about the downtime).
     phases: list = [None] * dist.get_world_size()
-    dist.all_gather_object(phases, (result.phases(), result.seconds.get("groups_wait", 0.0)))
-    rec["phases_s"] = {name: max(p.get(name, 0.0) for p, _ in phases) for name in phases[0][0]}
+    dist.all_gather_object(phases, (result.phases(), result.seconds.get("groups_wait", 0.0),
+                                    result.seconds.get("build_ahead")))
+    rec["phases_s"] = {name: max(p.get(name, 0.0) for p, _, _ in phases)
+                       for name in phases[0][0]}
     # Megatron's groups of a same-devices switch, made while the job trained (LiveSwitcher's
     # groups_ahead): how many this process took ready-made.
     rec["groups_ahead"] = int(r.get("groups_ahead", 0))
-    rec["groups_wait_s"] = max(w for _, w in phases)  # of parallel_state: waiting for them
+    rec["groups_wait_s"] = max(w for _, w, _ in phases)  # of parallel_state: waiting for them
+    built = [b for _, _, b in phases]
+    # The destination job built at the boundary before the switch (LiveSwitcher.build_ahead):
+    # the slowest process's time there, else why it was built at the switch.
+    rec["built_ahead_s"] = max(built) if all(b is not None for b in built) else None
+    rec["built_at_switch_because"] = None if rec["built_ahead_s"] is not None else sw.ahead_why
     if sw.leader:
         note = f"  ({why})" if why else ""
         print(f"switch {rec['generation']} -> {label(sw.spec)} on {rec['processes']} processes"
@@ -322,8 +342,14 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
               f"verified in the background in {rec['plan_verify_s']:.2f} s", flush=True)
         ahead = (f"; {rec['groups_ahead']} of megatron's groups made while training (waited "
                  f"{rec['groups_wait_s']:.3f} s for them)" if rec["groups_ahead"] else "")
+        if rec["built_ahead_s"] is not None:
+            ahead += (f"; destination job built ahead, at the boundary before "
+                      f"({rec['built_ahead_s']:.3f} s)")
         print("  phases: " + ", ".join(f"{name} {s:.3f}" for name, s in rec["phases_s"].items())
               + f" s (slowest process each){ahead}", flush=True)
+        if rec["job_downtime_s"] is not None:
+            print(f"  the job stood still {rec['job_downtime_s']:.3f} s from the last process's "
+                  "arrival at the boundary", flush=True)
     return rec
 
 

@@ -72,16 +72,25 @@ class LiveControl:
         schedule: iteration -> the layout to switch to at that boundary.
         requests: take up switches posted to the store (needs the switcher's rendezvous).
         prepare_ahead: plan a scheduled switch this many iterations before it is due.
+        build_ahead: build a same-devices switch's destination job at a boundary before the
+            switch (``LiveSwitcher.build_ahead``): a scheduled switch's once every process has
+            its plan ready before its iteration; a request's at the first boundary where every
+            plan is ready, the switch then at the next one (a notice's only if the time left
+            is over two iterations).
     """
 
     def __init__(self, switcher: LiveSwitcher, *,
                  schedule: Mapping[int, LayoutSpec] | None = None, requests: bool = True,
-                 prepare_ahead: int = 2) -> None:
+                 prepare_ahead: int = 2, build_ahead: bool = True) -> None:
         if requests and switcher.rendezvous is None:
             raise DynatrainError("requests: taking switches from the store needs a rendezvous")
         self.sw, self.requests, self.ahead = switcher, requests, max(0, int(prepare_ahead))
         self.schedule = dict(schedule or {})
         self.pending: _Pending | None = None
+        self.build_ahead = build_ahead
+        self._tried = False  # the pending switch's destination: built ahead, or found it cannot
+        self._boundary: float | None = None  # when the last boundary was
+        self.iteration_seconds: float | None = None  # between the last two boundaries
         self.last: SwitchResult | SwitchFailed | None = None
         self._handled = 0  # the last request number rank 0 looked at
         # Rank 0: the notice whose layout is being chosen (number, notice, the choice, the
@@ -264,9 +273,13 @@ class LiveControl:
         the job calls it there, in step: it prepares switches and takes up requests). A
         training loop that cannot stop at every boundary (Megatron-LM's ``train``) calls it
         after each step and ends its segment when it says so, then calls ``switch``."""
+        now = time.monotonic()
+        if self._boundary is not None:
+            self.iteration_seconds = now - self._boundary
+        self._boundary = now
         if self.pending is None and (iteration + self.ahead) in self.schedule:
             due = iteration + self.ahead
-            self.pending = _Pending(self.schedule.pop(due), due, None)
+            self._set_pending(_Pending(self.schedule.pop(due), due, None))
             self.sw.prepare(self.pending.spec)
         if self.requests:
             n, take, ms_left = self._from_leader(list(self._look()) if self.sw.leader
@@ -277,22 +290,42 @@ class LiveControl:
         if p is None:
             return False
         if p.due is not None:
-            return p.due <= iteration
-        return self._everyone(self.sw.ready())
+            if p.due <= iteration:
+                return True
+            if self.build_ahead and not self._tried and self._everyone(self.sw.ready()):
+                self._build(p)
+            return False
+        if not self._everyone(self.sw.ready()):
+            return False
+        # Built at this boundary: the switch runs at the next one.
+        return not (self.build_ahead and not self._tried and self._build(p))
+
+    def _set_pending(self, p: _Pending | None) -> None:
+        self.pending, self._tried = p, False
+
+    def _build(self, p: _Pending) -> bool:
+        """Every process: build the pending switch's destination ahead, at this boundary;
+        whether it was built (not for a notice whose time left is two iterations or less)."""
+        self._tried = True
+        if p.notice is not None:
+            it = self.iteration_seconds
+            if not self._everyone(it is not None and p.notice.seconds_left() > 2 * it):
+                return False
+        return self.sw.build_ahead() is None
 
     def _take(self, n: int, ms_left: int) -> None:
         """Every process: prepare request ``n`` (a notice: the layout rank 0 chose for it)."""
         rdzv = self.sw.rendezvous
         doc = rdzv.read(f"request/{n}")
         if "notice" not in doc:
-            self.pending = _Pending(spec_from_dict(doc["dst"]), None, n)
+            self._set_pending(_Pending(spec_from_dict(doc["dst"]), None, n))
             self.sw.prepare(self.pending.spec)
             return
         chosen = rdzv.read(f"notice/{n}")
         met = self.sw.notice(doc["notice"]["leaving"], ms_left / 1000.0,
                              dst_spec=spec_from_dict(chosen["dst"]))
         met = replace(met, predicted_seconds=chosen["predicted_s"])
-        self.pending = _Pending(met.dst_spec, None, n, met)
+        self._set_pending(_Pending(met.dst_spec, None, n, met))
 
     def switch(self, job: MegatronJob) -> MegatronJob | None:
         """Run the switch ``due`` said is due; the job to train on (None: this device left)."""
@@ -300,7 +333,7 @@ class LiveControl:
         if p is None:
             raise DynatrainError("switch(): no switch is due (call due() first)")
         it = job.iteration
-        self.pending = None
+        self._set_pending(None)
         leader = self.sw.leader  # of the source layout: it answers, whether it stays or not
         try:
             result = self.sw.switch(job)

@@ -123,7 +123,7 @@ class SwitchResult:
 
     # ``seconds`` keys that are not phases of the downtime: planned in the background, or
     # measured inside a phase.
-    NOT_PHASES = ("plan", "verify", "check", "downtime", "groups_wait")
+    NOT_PHASES = ("plan", "verify", "check", "downtime", "groups_wait", "build_ahead")
 
     def phases(self) -> dict[str, float]:
         """This process's downtime by phase, in the order they ran; their sum is
@@ -134,10 +134,12 @@ class SwitchResult:
         ``parallel_state`` (megatron's groups for the destination; of it,
         ``seconds["groups_wait"]`` waited for the groups made ahead), ``build`` (the destination
         job, and the vote that every process built it), ``exchange``, ``install`` (the step,
-        the scheduler, counters, and the commit vote). Another world: ``agree``,
-        ``switch_group``, ``plan_vote``, ``exchange``, ``dst_group``, ``parallel_state``,
-        ``build``, ``install``, ``commit_vote``. A recovery: ``detect``, ``agree``,
-        ``prepare``, ``switch_group``, ``exchange``, ``refill`` or ``reload``,
+        the scheduler, counters, and the commit vote). With the destination built ahead
+        (``LiveSwitcher.build_ahead``) neither ``parallel_state`` nor ``build`` runs at the
+        switch; ``seconds["build_ahead"]`` is that build's time, at its own boundary. Another
+        world: ``agree``, ``switch_group``, ``plan_vote``, ``exchange``, ``dst_group``,
+        ``parallel_state``, ``build``, ``install``, ``commit_vote``. A recovery: ``detect``,
+        ``agree``, ``prepare``, ``switch_group``, ``exchange``, ``refill`` or ``reload``,
         ``commit_vote``, ``dst_group``, ``build``, ``install``.
         """
         return {k: v for k, v in self.seconds.items() if k not in self.NOT_PHASES}

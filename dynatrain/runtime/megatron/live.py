@@ -101,6 +101,8 @@ from .bridge import bind_state, extract_state, install_step
 from .check_job import check_job
 from .job import (Builder, GlobalState, MegatronJob, Notice, Prepared, Refill, SwitchFailed,
                   SwitchResult, TrainState, Verifier, carried, carry_into, parallel_kwargs)
+from . import build_ahead as ahead_build
+from .build_ahead import Built
 from .groups_ahead import GroupsAhead
 from .groups_ahead import resync as resync_groups, supported as groups_ahead_supported
 from .recovery import Heartbeat, Liveness, Recovery
@@ -110,6 +112,11 @@ from .watchdog import Watchdog
 from .world import WorldSwitch
 
 SLICE_PLANNER = "spread-1"  # in the digest: processes must run the same planner
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def _where(failure: BaseException | None) -> str:
@@ -185,6 +192,10 @@ class LiveSwitcher:
             groups megatron makes for the destination and creates them in a background thread
             while the job trains; the switch then takes them instead of creating them
             (``groups_ahead.GroupsAhead``). False: create them at the switch.
+        reserve_bytes: what the job needs on its device above what it holds at a boundary to
+            train an iteration, kept free when ``build_ahead`` holds a destination job beside
+            it (default: the CUDA allocator's peak above what is allocated at that boundary;
+            unchecked on the CPU).
 
     Example:
         >>> sw = LiveSwitcher(spec_a, "node0:gpu3", build, check, rendezvous=rdzv)  # doctest: +SKIP
@@ -202,7 +213,8 @@ class LiveSwitcher:
                  slices: bool = True, global_state: GlobalState | None = None,
                  train_state: TrainState | None = None,
                  collective_timeout: float | None = None,
-                 abort_after: float | None = None, groups_ahead: bool = True) -> None:
+                 abort_after: float | None = None, groups_ahead: bool = True,
+                 reserve_bytes: int | None = None) -> None:
         self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
         if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
@@ -223,6 +235,10 @@ class LiveSwitcher:
         self.slices, self.global_state = slices, global_state
         self.groups_ahead = groups_ahead
         self._ahead: GroupsAhead | None = None  # the prepared switch's groups, being created
+        self._built: Built | None = None  # the prepared switch's destination job, built ahead
+        self._arrived = 0.0  # wall clock when this process entered the last switch
+        self.reserve_bytes = reserve_bytes
+        self.ahead_why: str | None = None  # why the last build ahead did not happen
         self._cuda_device = job_cuda_device()  # here: the planning thread has its own device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynatrain-plan")
         self._pending: Future[Prepared] | None = None
@@ -280,6 +296,7 @@ class LiveSwitcher:
                 if self.rendezvous.count("latest", 1) != generation:
                     raise DynatrainError("another job uses this rendezvous prefix")
             self._open = generation
+        self._built = None  # a superseded switch's destination
         self._pending = self._pool.submit(self._prepare, self.spec, self.layout, dst_spec,
                                           generation)
         self._start_groups_ahead(dst_spec)
@@ -369,6 +386,95 @@ class LiveSwitcher:
         """True once ``prepare``'s plan is done (or failed)."""
         return self._pending is not None and self._pending.done()
 
+    # ---- the destination built ahead -----------------------------------------------------------
+
+    def build_ahead(self) -> str | None:
+        """Build the prepared same-devices switch's destination job now, so that ``switch``
+        runs only the job check, the exchange and the commit vote (``build_ahead.py``).
+
+        Every process of the job calls it at the same iteration boundary, after ``prepare``
+        and once ``ready()`` on every process; the job then trains on in its own layout,
+        exactly as before (megatron's parallel state, ``global_state`` and RNG streams are put
+        back), until ``switch``. The destination's groups are those made ahead, or are made
+        now. Returns None when built, else why not (the switch then builds at its own time):
+        the world changes, the planning failed, no room beside the job, or a build that failed
+        on some process; every process returns None or every process a reason. The build's
+        time is ``seconds["build_ahead"]`` of the switch's result (not downtime: the job
+        trains between it and the switch).
+        """
+        t0 = time.perf_counter()
+        why = self._cannot_build_ahead()
+        if why == "":
+            return None  # built already
+        if not self._all_built(why is None):
+            self.ahead_why = why or "another process of the job could not build ahead"
+            return self.ahead_why
+        assert self._pending is not None and self.layout is not None
+        prep = self._pending.result()
+        if prep.plan is None:  # this device's slice, cut into rounds now (agreed by all)
+            try:
+                prep = self._cut_slice(prep, None)
+            except SwitchFailed as err:
+                self.ahead_why = _first_line(err.__cause__ or err)
+                return self.ahead_why
+        _, dst_view = transition_views(self.layout, prep.dst)
+        groups_ahead = self._ahead
+        if groups_ahead is not None:
+            initialize = groups_ahead.initialize
+        else:
+            def initialize() -> int:
+                from megatron.core import parallel_state as ps
+
+                ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **self.init_kwargs)
+                return 0
+        saved_ps, saved_global = ahead_build.parallel_state(), self._save_global()
+        saved_rng = ahead_build.rng_state()
+        built = failure = None
+        try:
+            new, groups = ahead_build.build(self.build, prep.dst_spec, initialize)
+            storage = bind_state(dst_view, self.rank, new.model_chunks, new.optimizer)
+            built = Built(prep, new, storage, ahead_build.parallel_state(),
+                          self._save_global(), ahead_build.rng_state(), groups, 0.0)
+        except Exception as err:  # noqa: BLE001 — agreed below; the switch builds instead
+            failure = err
+        finally:  # the source's parallel state, global state and RNG streams, exactly
+            ahead_build.set_parallel_state(saved_ps)
+            if self.global_state is not None:
+                self.global_state.restore(saved_global)
+            ahead_build.set_rng_state(saved_rng)
+        if not self._all_built(failure is None):
+            built = None
+            if groups_ahead is None:  # groups made here, maybe not as many everywhere
+                resync_groups(self.group)
+            self.ahead_why = f"building ahead failed on {_where(failure)}"
+            return self.ahead_why
+        assert built is not None
+        built.seconds = time.perf_counter() - t0
+        self._built, self._ahead, self.ahead_why = built, None, None
+        return None
+
+    def _cannot_build_ahead(self) -> str | None:
+        """Why this process cannot build the prepared switch's destination ahead (None: it
+        can; empty: it has)."""
+        if self.layout is None:
+            return f"{self.device} runs no rank"
+        if self._pending is None or not self._pending.done():
+            return "no switch is prepared and planned (prepare, then wait for ready())"
+        if self._pending.exception() is not None:
+            return "the switch's planning failed (the switch says why)"
+        prep = self._pending.result()
+        if not prep.in_place:
+            return ("the world changes: the destination's job is built in its own group, at "
+                    "the switch")
+        if self._built_for(prep) is not None:
+            return ""
+        if self._ahead is not None and not self._ahead.ready(self.timeout):
+            return (f"{self.device}: the destination's groups made ahead were not ready "
+                    f"within {self.timeout:.0f} s")
+        _, dst_view = transition_views(self.layout, prep.dst)
+        return ahead_build.no_room(dst_view, self.rank, self.device, self._cuda_device,
+                                   self.reserve_bytes)
+
     def _prepare(self, src_spec: LayoutSpec, src: Layout, dst_spec: LayoutSpec,
                  generation: int | None) -> Prepared:
         dst = Layout(dst_spec)
@@ -401,7 +507,7 @@ class LiveSwitcher:
                         hashlib.blake2b(text, digest_size=16).digest(), t1 - t0, t2 - t1,
                         generation, in_place)
 
-    def _cut_slice(self, prep: Prepared, job: MegatronJob) -> Prepared:
+    def _cut_slice(self, prep: Prepared, job: MegatronJob | None) -> Prepared:
         """This device's slice cut into the plan's rounds, verified: the job agrees on the
         unit and the number of rounds (all-reduces of one integer), then on every process
         having a slice that passes its checks (an all-reduce MIN); else nothing moved."""
@@ -472,6 +578,10 @@ class LiveSwitcher:
         if self._pending is None:
             raise DynatrainError("switch() needs a prepare(dst_spec) first")
         t = [time.perf_counter()]
+        # Wall clock, comparable between the processes of one machine: the job's downtime is
+        # from the last process's arrival to the last one's departure (report["arrived_at"],
+        # report["left_at"]); a process's own ``downtime`` also holds its wait for the others.
+        self._arrived = time.time()
         try:
             prep, failure = self._pending.result(), None
             if dist.get_world_size(self.group) != self.layout.world or \
@@ -515,9 +625,16 @@ class LiveSwitcher:
             self._after(prep, result.role)
             return result
         self._open = None
-        if prep.plan is None:
-            prep = self._cut_slice(prep, job)
+        if prep.plan is None:  # cut at the boundary where the destination was built, or now
+            built = self._built_for(prep)
+            prep = built.prep if built is not None else self._cut_slice(prep, job)
+        t.append(time.perf_counter())
         return self._switch_in_place(job, prep, src, t)
+
+    def _built_for(self, prep: Prepared) -> Built | None:
+        """The destination built ahead for ``prep``'s switch, if any."""
+        built = self._built
+        return built if built is not None and built.prep.digest == prep.digest else None
 
     def _switch_in_place(self, job: MegatronJob, prep: Prepared, src: dict,
                          t: list[float]) -> SwitchResult:
@@ -535,6 +652,9 @@ class LiveSwitcher:
         saved = self._save_global()
         t.append(time.perf_counter())
         new = dst = failure = None
+        built, self._built = self._built_for(prep), None
+        if built is not None:
+            return self._switch_built(job, prep, src, t, built, saved, scheduler)
         ahead, self._ahead = self._ahead, None
         waited = time.perf_counter()
         if self.groups_ahead and groups_ahead_supported(self.init_kwargs):
@@ -599,12 +719,74 @@ class LiveSwitcher:
         t.append(time.perf_counter())
         te_fp8.forget_groups()  # the source job's TE fp8 registrations name its old groups
         self._after(prep, "stayed")
-        names = ("check_agree", "save_state", "parallel_state", "build", "exchange", "install")
+        names = ("check_agree", "cut_slice", "save_state", "parallel_state", "build", "exchange",
+                 "install")
         seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
         seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
                        check=self.check_seconds or 0.0, downtime=t[-1] - t[0],
                        groups_wait=waited)
         report["groups_ahead"] = self.groups_taken
+        report["arrived_at"], report["left_at"] = self._arrived, time.time()
+        return SwitchResult(new, report, seconds, "stayed", prep.generation)
+
+    def _switch_built(self, job: MegatronJob, prep: Prepared, src: dict, t: list[float],
+                      built: Built, saved: object, scheduler: dict) -> SwitchResult:
+        """The in-place switch into a destination built ahead: the exchange straight into its
+        storage, the step and scheduler installed, the build's global state and RNG streams
+        put in place, the commit vote; then megatron's parallel state of the destination
+        replaces the source's. Until the vote the source's parallel state never changes, so a
+        failure only puts back what was saved."""
+        from megatron.core import parallel_state as ps
+
+        src_view, dst_view = transition_views(self.layout, prep.dst)
+        saved_rng = ahead_build.rng_state()
+        self.groups_taken = built.groups
+        try:
+            dst, report = switch(prep.plan, src_view, dst_view, self.device, src, self.group,
+                                 timeout=self.timeout, check_transfers=self.check_transfers,
+                                 dst_store=built.storage)
+        except SwitchAborted as err:
+            built = None  # free the destination job before going back
+            if not err.group_destroyed:
+                raise SwitchFailed(f"{err}; the job trains on", job) from err
+            if self.rendezvous is None or prep.generation is None:
+                raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
+                                   "formed again: restart from a checkpoint", None) from err
+            world = WorldSwitch(self, prep, self.device, self.rendezvous)
+            world.roll_back(job, scheduler, err, saved)  # raises SwitchFailed, rebuilt job
+        del src
+        t.append(time.perf_counter())
+        new, failure = built.job, None
+        try:
+            install_step(new.optimizer, dst)
+            carry_into(new, scheduler)
+            if self.global_state is not None:
+                self.global_state.restore(built.global_state)
+            ahead_build.set_rng_state(built.rng)
+        except Exception as err:  # noqa: BLE001 — voted below, then raised everywhere
+            failure = err
+        if not self._all_built(failure is None):
+            new = dst = built = None
+            if self.global_state is not None:
+                self.global_state.restore(saved)
+            ahead_build.set_rng_state(saved_rng)
+            where = _where(failure)
+            raise SwitchFailed(f"{self.device}: installing the switched state failed on {where}"
+                               "; back in the source layout, the job trains on",
+                               job) from failure
+        ps.destroy_model_parallel()  # the source's groups
+        ahead_build.set_parallel_state(built.parallel)
+        t.append(time.perf_counter())
+        te_fp8.forget_groups()  # the source job's TE fp8 registrations name its old groups
+        self._after(prep, "stayed")
+        names = ("check_agree", "cut_slice", "save_state", "exchange", "install")  # rest: ahead
+        seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
+        seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
+                       check=self.check_seconds or 0.0, downtime=t[-1] - t[0],
+                       build_ahead=built.seconds)
+        report["groups_ahead"] = self.groups_taken
+        report["arrived_at"], report["left_at"] = self._arrived, time.time()
+        report["built_ahead"] = True
         return SwitchResult(new, report, seconds, "stayed", prep.generation)
 
     def _all_built(self, ok: bool) -> bool:
@@ -631,7 +813,7 @@ class LiveSwitcher:
         return self.global_state.save() if self.global_state is not None else None
 
     def _after(self, prep: Prepared, role: str) -> None:
-        self._pending = None
+        self._pending = self._built = None
         if role == "left":
             self.spec = self.layout = None
             self._watch = (prep.generation or 0) + 1
@@ -705,7 +887,7 @@ class LiveSwitcher:
         if self._open is not None:  # a prepared world switch cannot run any more
             self.rendezvous.post(f"go/{self._open}", {"go": False})
             self._open = None
-        self._pending = None
+        self._pending = self._built = None  # a destination built ahead names dead peers
         self._generation += 1  # spent even when the recovery fails, on every survivor alike
         rec = Recovery(self, job, self._generation)
         given = frozenset(failed) if failed is not None else frozenset()
@@ -787,6 +969,7 @@ class LiveSwitcher:
         if self.leader and self.rendezvous is not None:
             self._cancel_open()
             self.rendezvous.post("closed", {})
+        self._built = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self.watchdog is not None:

@@ -66,6 +66,12 @@ def test_every_switch_happened(runs):
         assert sorted(rec.at_train) == [0, *SCHEDULE], sorted(rec.at_train)
         for k, layout in DST_LAYOUT.items():
             assert rec.at_train[k]["layout"] == layout
+        # Same devices each time: each destination job was built at a boundary before its
+        # switch, inside Megatron-LM's train(), and the switch neither built nor set up groups.
+        assert sorted(rec.switched) == sorted(SCHEDULE), sorted(rec.switched)
+        for k, seconds in rec.switched.items():
+            assert seconds.get("build_ahead", 0) > 0, (k, seconds)
+            assert "build" not in seconds and "parallel_state" not in seconds, (k, seconds)
 
 
 @pytest.mark.parametrize("k", sorted(SCHEDULE))

@@ -40,7 +40,10 @@ SWITCHES = {
 
 WORLD_PHASES = ["agree", "switch_group", "plan_vote", "exchange", "dst_group", "parallel_state",
                 "build", "install", "commit_vote"]
-IN_PLACE_PHASES = ["check_agree", "save_state", "parallel_state", "build", "exchange", "install"]
+IN_PLACE_PHASES = ["check_agree", "cut_slice", "save_state", "parallel_state", "build",
+                   "exchange", "install"]
+# The same devices with the destination job built at the boundary before (build_ahead).
+BUILT_AHEAD_PHASES = ["check_agree", "cut_slice", "save_state", "exchange", "install"]
 
 
 def _env() -> dict:
@@ -66,12 +69,20 @@ def test_live_example_does_every_switch(model, tmp_path):
     assert [s["generation"] for s in rec["switches"]] == list(range(1, n))
     assert all(s["bytes_moved"] > 0 and s["downtime_s"] > 0 for s in rec["switches"])
     for s in rec["switches"]:  # the downtime by phase: the phases of the switch it was
-        assert list(s["phases_s"]) in (WORLD_PHASES, IN_PLACE_PHASES), s["phases_s"]
+        # The same-devices switch (the last) took megatron's groups made while the job trained
+        # and its destination job built at the boundary before; the world changes built theirs
+        # at the switch, and say why.
+        in_place = s["to"] == SWITCHES[model][-1][0]
+        assert list(s["phases_s"]) == (BUILT_AHEAD_PHASES if in_place else WORLD_PHASES), s
         assert all(v >= 0 for v in s["phases_s"].values())
         assert sum(s["phases_s"].values()) >= 0.95 * s["downtime_s"], s
-        # The same-devices switch took megatron's groups made while the job trained.
-        assert (s["groups_ahead"] > 0) == (list(s["phases_s"]) == IN_PLACE_PHASES), s
+        assert (s["groups_ahead"] > 0) == in_place, s
+        assert (s["built_ahead_s"] is not None and s["built_ahead_s"] > 0) == in_place, s
+        assert in_place or "the world changes" in s["built_at_switch_because"], s
+        assert (s["job_downtime_s"] is not None) == in_place, s
+        assert not in_place or 0 < s["job_downtime_s"] <= s["downtime_s"], s
     assert done.stdout.count("  phases: ") == n - 1
+    assert done.stdout.count("  the job stood still ") == 1
     assert len(rec["losses"]) == n and all(math.isfinite(v) for v in rec["losses"])
     # The leader printed one line per switch.
     assert [f"switch {i} -> " in done.stdout for i in range(1, n)] == [True] * (n - 1)
@@ -91,7 +102,8 @@ def test_live_bench_shortest_run(tmp_path):
         [(i, name, k) for i, (name, k, _) in enumerate(SWITCHES["dense"], 1)]
     assert done.stdout.count("live downtime by phase") == 1
     for r in recs:
-        assert list(r["live_phases_s"]) in (WORLD_PHASES, IN_PLACE_PHASES), r
+        assert list(r["live_phases_s"]) in (WORLD_PHASES, BUILT_AHEAD_PHASES), r
+        assert (r["live_built_ahead_s"] > 0) == (list(r["live_phases_s"]) == BUILT_AHEAD_PHASES)
         assert r["live_params_match_main"], r
         assert r["live_downtime_s"] > 0 and r["ckpt_downtime_s"] > 0 and r["bytes_moved"] > 0
         if not r["bit_exact"]:  # then megatron's reload is the wrong side

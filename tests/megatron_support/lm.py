@@ -148,6 +148,8 @@ class Record:
     # "scheduler" state, "consumed" samples, "layout" (tp, pp, dp)). A live switch enters
     # train() again after each switch; Megatron-LM's restart enters it once, after --load.
     at_train: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # Each live switch that committed: the iteration it ran at -> its ``SwitchResult.seconds``.
+    switched: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 def state_of(model: list, optimizer: Any) -> dict[str, torch.Tensor]:
@@ -205,6 +207,20 @@ def _instrument(rec: Record) -> dict:
         return out
 
     training.setup_model_and_optimizer, training.train, training.train_step = setup_, train_, step_
+
+    from dynatrain.runtime.megatron.control import LiveControl
+    from dynatrain.runtime.megatron.job import SwitchResult
+
+    real_switch = LiveControl.switch
+
+    def switch_(self, job):
+        it = job.iteration
+        out = real_switch(self, job)
+        if isinstance(self.last, SwitchResult):
+            rec.switched[it] = dict(self.last.seconds)
+        return out
+
+    LiveControl.switch = switch_
     return held
 
 

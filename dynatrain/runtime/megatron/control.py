@@ -16,8 +16,13 @@ boundary. It
    scale ``suggest`` plans several switches: seconds the job would otherwise stall), posts it
    and broadcasts the notice at the first boundary after the choice is made; every process
    prepares that one;
-3. switches when the switch is due: a scheduled one at its iteration, a requested one at the
-   first boundary where every process has its plan ready (an all-reduce of one flag).
+3. builds a same-devices switch's destination job ahead (``LiveSwitcher.build_ahead``): a
+   scheduled one's at a boundary before its iteration once every plan is ready, a requested
+   one's at the first boundary where every process has its plan ready (an all-reduce of one
+   flag), a notice's only while more than two iterations are left before its deadline;
+4. switches when the switch is due: a scheduled one at its iteration, a requested one at the
+   boundary after its destination was built ahead, or at the first where every plan is ready
+   when it was not.
 
 It returns the job to train on (``None`` on a process whose device left: it may idle as a spare
 with ``LiveSwitcher.join``); ``last`` holds the last switch's result or failure. Rank 0 answers

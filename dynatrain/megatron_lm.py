@@ -27,6 +27,9 @@ def pretrain(*args: Any, dynatrain: LiveOptions | None = None, **kwargs: Any) ->
     Raises:
         DynatrainError: one line for an argument or a Megatron-LM feature it does not support.
     """
+    from .checkpoint import megatron_lm as ckpt
+    from .runtime.megatron.lm import Checkpoints
     from .verify.check import check
 
-    drive(args, kwargs, dynatrain or LiveOptions(), check)
+    drive(args, kwargs, dynatrain or LiveOptions(), check,
+          Checkpoints(ckpt.newest, ckpt.refill, ckpt.train_state))

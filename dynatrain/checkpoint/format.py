@@ -359,10 +359,42 @@ def _common_state_entry(path: str, md) -> Blob:
     return Blob(name, int(info.offset), int(info.length))
 
 
-def _load_plain(path: str, what: str, source) -> object:
-    """``torch.load(weights_only=True)`` of ``source``; a refusal or broken bytes is one line."""
+# What Megatron-LM's checkpoints add to megatron-core's common state: its ``args`` (an
+# ``argparse.Namespace`` holding enum members and a ``signal.Signals``) and the rerun state
+# machine's enums (megatron/training/checkpointing.py ``generate_state_dict``). These classes,
+# and enums of these modules only, are allowed by name; enums are built from their value.
+_NAMED_CLASSES = ("argparse.Namespace", "signal.Signals")
+_ENUM_MODULES = ("megatron.core.enums", "megatron.core.transformer.enums",
+                 "megatron.core.rerun_state_machine")
+
+
+def _allowed(name: str) -> type | None:
+    """The class ``name`` if the allow-list takes it, else None."""
+    import enum
+    import importlib
+
+    module, _, attr = name.rpartition(".")
+    if name not in _NAMED_CLASSES and module not in _ENUM_MODULES:
+        return None
     try:
-        return torch.load(source, map_location="cpu", weights_only=True)
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+    if name in _NAMED_CLASSES or (isinstance(cls, type) and issubclass(cls, enum.Enum)):
+        return cls
+    return None
+
+
+def _load_plain(path: str, what: str, source) -> object:
+    """``torch.load(weights_only=True)`` of ``source`` with Megatron-LM's few classes allowed
+    by name (``_allowed``); a refusal or broken bytes is one line."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+        if hasattr(source, "seek"):
+            source.seek(0)
+        extra = [cls for cls in map(_allowed, names) if cls is not None]
+        with torch.serialization.safe_globals(extra):
+            return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch's allow-list refusal or a broken file
         text = str(err)
         m = re.search(r"GLOBAL ([\w.]+)", text)

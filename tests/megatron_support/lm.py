@@ -239,8 +239,22 @@ def _refuse_carried_scheduler_once() -> None:
     OptimizerParamScheduler.load_state_dict = refuse
 
 
+def _dying(forward: Any, iteration: int) -> Any:
+    """``forward`` that kills this process and everything it started (its process group: a
+    node that dies takes its checkpoint writers with it) in iteration ``iteration + 1``'s
+    forward pass."""
+
+    def forward_step(data_iterator, model):
+        if get_args().curr_iteration == iteration:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        return forward(data_iterator, model)
+
+    return forward_step
+
+
 def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any = None,
-            fail_carry: int | None = None, tag: str = "rank", env: dict | None = None) -> None:
+            fail_carry: int | None = None, tag: str = "rank", env: dict | None = None,
+            die_at: int | None = None) -> None:
     os.setpgrp()  # the launcher ends this process and any it started (checkpoint writers, Manager)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -253,16 +267,17 @@ def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any =
         held = _instrument(rec)
         store = torch.distributed.FileStore(os.path.join(tmpdir, f"store-{tag}"), world)
         sys.argv = ["pretrain_gpt.py", *argv_]
+        step = forward_step if die_at is None else _dying(forward_step, die_at)
         with megatron_lm_cpu(force=True):
             args = parse_and_validate_args()
             cfg = pretrain_cfg_container_from_args(args)
             if options is None:  # Megatron-LM's own
                 training.pretrain(cfg, dataset_provider, ModelType.encoder_or_decoder,
-                                  forward_step, model_provider=model_provider, store=store)
+                                  step, model_provider=model_provider, store=store)
             else:  # the one-import change: DynaTrain's drop-in, with live switches
                 from dynatrain.megatron_lm import pretrain
 
-                pretrain(cfg, dataset_provider, ModelType.encoder_or_decoder, forward_step,
+                pretrain(cfg, dataset_provider, ModelType.encoder_or_decoder, step,
                          model_provider=model_provider, store=store, dynatrain=options)
             rec.final = state_of(held["model"], held["optimizer"])
             rec.args = {k: getattr(args, k) for k in
@@ -280,7 +295,8 @@ def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any =
 def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
                  options: Any = None, fail_carry: int | None = None,
                  started: Any = None, joiners: int = 0,
-                 join_env: dict | None = None) -> list[Record]:
+                 join_env: dict | None = None,
+                 die: dict[int, int] | None = None) -> list[Record | None]:
     """Run Megatron-LM's ``pretrain`` with ``argv_`` in ``world`` forked gloo processes (not
     daemonic: the dist-checkpoint writer starts processes of its own); one Record per rank.
     With ``options`` (``dynatrain.megatron_lm.LiveOptions``) DynaTrain's ``pretrain`` runs
@@ -288,14 +304,19 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
     test's own threads there (a fork while another thread holds a lock can leave the child
     waiting on it forever). ``joiners`` more processes start as a replacement node launched
     apart (ranks 0.. of a world of their own, their own store, ``join_env`` added to their
-    environment); their Records follow the job's."""
+    environment); their Records follow the job's. ``die``: rank -> the iteration (0-based)
+    in whose forward pass that rank is killed with everything it started (SIGKILL); its
+    Record is None."""
+    die = dict(die or {})
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="mlm_loop_") as tmpdir:
         names = [("rank", r) for r in range(world)] + [("join", r) for r in range(joiners)]
         procs = [ctx.Process(target=_worker, args=(
             r, world if tag == "rank" else joiners, argv_, tmpdir, options,
-            fail_carry if tag == "rank" else None, tag, None if tag == "rank" else join_env))
+            fail_carry if tag == "rank" else None, tag, None if tag == "rank" else join_env,
+            die.get(r) if tag == "rank" else None))
             for tag, r in names]
+        killed = {i for i, (tag, r) in enumerate(names) if tag == "rank" and r in die}
         for p in procs:
             p.start()
         if started is not None:
@@ -303,10 +324,12 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
         deadline = time.monotonic() + timeout
         try:
             # Stop at the first failure: the other ranks would wait in a collective.
+            # (The ranks killed on purpose are expected to end by SIGKILL.)
             while time.monotonic() < deadline and any(p.exitcode is None for p in procs) \
-                    and not any(p.exitcode for p in procs):
+                    and not any(p.exitcode for i, p in enumerate(procs) if i not in killed):
                 procs[0].join(0.5)
-            failed = [i for i, p in enumerate(procs) if p.exitcode != 0]
+            failed = [i for i, p in enumerate(procs) if p.exitcode != 0
+                      and not (i in killed and p.exitcode == -signal.SIGKILL)]
         finally:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):
@@ -322,5 +345,6 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
         if failed:
             raise RuntimeError(f"{[names[i] for i in failed]} did not finish within "
                                f"{timeout:.0f} s (exit codes {[procs[i].exitcode for i in failed]})")
-        return [torch.load(os.path.join(tmpdir, f"{tag}{r}.pt"), weights_only=False)
-                for tag, r in names]
+        return [None if i in killed else
+                torch.load(os.path.join(tmpdir, f"{tag}{r}.pt"), weights_only=False)
+                for i, (tag, r) in enumerate(names)]

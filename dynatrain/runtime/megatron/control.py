@@ -305,6 +305,17 @@ class LiveControl:
         # Built at this boundary: the switch runs at the next one.
         return not (self.build_ahead and not self._tried and self._build(p))
 
+    def recovered(self) -> None:
+        """After ``LiveSwitcher.recover``: the switch that was pending is dropped (its plan
+        was of the old world) and rank 0 posts the layout the job runs now."""
+        if self.pending is not None and self.pending.request is not None:
+            self._answer(self.pending.request, "failed", "a member of the job failed before "
+                         "the switch ran; the job recovered on the devices left",
+                         self.sw.leader)
+        self._set_pending(None)
+        if self.sw.active:
+            self._publish()
+
     def _set_pending(self, p: _Pending | None) -> None:
         self.pending, self._tried = p, False
 

@@ -174,6 +174,7 @@ class RecoveryFailed(SwitchFailed):
     def __init__(self, message: str, job: MegatronJob | None, exit_code: int) -> None:
         super().__init__(message, job)
         self.exit_code = exit_code
+        self.nothing_failed = False  # every device answered the roll call: none is gone
 
 
 def parallel_kwargs(spec: LayoutSpec) -> dict:

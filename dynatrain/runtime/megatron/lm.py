@@ -60,7 +60,7 @@ from ...ir.layout import Layout
 from ...ir.loader import load_spec, spec_from_dict, spec_to_dict
 from ...ir.spec import LayoutSpec
 from .control import LiveControl
-from .job import MegatronJob, Verifier
+from .job import MegatronJob, RecoveryFailed, Refill, Verifier
 from .lm_args import layout_args
 from .live import LiveSwitcher
 from .rendezvous import Rendezvous
@@ -94,6 +94,15 @@ class LiveOptions:
             ``dynatrain switch --store``), then trains with the job. It needs the job's store
             (``store``) and ``requests``; it takes the schedule's switches that come after it
             joined.
+        recover: when a member of the job dies or hangs inside ``train()``, the survivors
+            recover live (``LiveSwitcher.recover``) on a layout of the devices left, from the
+            state they hold plus the newest checkpoint under ``--save`` (the lost ranges of the
+            current step, or a rollback in place to an older one), and train on; False: the
+            error ends the job, as in Megatron-LM.
+        heartbeat: seconds between two beats of each process in the job's store (how a dead or
+            stopped member is told from a slow one); with ``recover``.
+        stale_after: seconds without a beat after which a member counts as gone (default ten
+            heartbeats).
     """
 
     schedule: Mapping[int, LayoutSpec | str | Mapping[str, Any]] = field(default_factory=dict)
@@ -105,6 +114,19 @@ class LiveOptions:
     prepare_ahead: int = 2
     gpus_per_node: int | None = None
     join_as: str | None = None
+    recover: bool = True
+    heartbeat: float = 1.0
+    stale_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """How a recovery reads Megatron-LM's checkpoints (``dynatrain.checkpoint.megatron_lm``,
+    passed in: the runtime does not import the checkpoint reader)."""
+
+    newest: Callable[[str], str | None]  # the newest finished checkpoint under --save
+    refill: Refill
+    train_state: Callable[[str, tuple[str, ...]], dict]  # (checkpoint, carried args)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -159,11 +181,15 @@ class MegatronLMState:
 class _Driver:
     """One process's run of Megatron-LM's ``pretrain`` with live switches."""
 
-    def __init__(self, call: dict, options: LiveOptions, verify: Verifier) -> None:
+    def __init__(self, call: dict, options: LiveOptions, verify: Verifier,
+                 checkpoints: Checkpoints | None = None) -> None:
         self.call, self.options, self.verify = call, options, verify
+        self.checkpoints = checkpoints
         self.cfg = call["cfg_container"]
         self.model_cfg = getattr(self.cfg, "model", None)
         self.target = 0  # the user's train_iters
+        # (iteration, consumed samples, FLOPs so far) the job's state holds after its last step
+        self.stepped: tuple[int, int, float] = (0, 0, 0.0)
         self.segment_end = False  # the train_step wrapper ended this segment for a switch
         self.control: LiveControl | None = None
 
@@ -378,7 +404,7 @@ class _Driver:
         sw = LiveSwitcher(spec, self.device(), self.build, self.verify,
                           rendezvous=self._rendezvous(args), budget_bytes=self.options.budget_bytes,
                           timeout=self.options.timeout, init_kwargs=self.init_kwargs(),
-                          global_state=MegatronLMState(self))
+                          global_state=MegatronLMState(self), **self._recovery_kwargs())
         self.control = LiveControl(sw, schedule=self._schedule(spec),
                                    requests=self.options.requests,
                                    prepare_ahead=self.options.prepare_ahead)
@@ -386,6 +412,20 @@ class _Driver:
             sw.rendezvous.post("first", {"spec": spec_to_dict(spec, Layout(spec).devices),
                                          "train_iters": self.target})
         self._loop(job, sw)
+
+    def _recovery_kwargs(self) -> dict:
+        """``LiveSwitcher``'s recovery options: heartbeats, and the checkpoint reader."""
+        o = self.options
+        if not o.recover:
+            return {}
+        if not (isinstance(o.heartbeat, (int, float)) and o.heartbeat > 0):
+            raise DynatrainError(f"heartbeat: seconds > 0 (got {o.heartbeat!r})")
+        out: dict = dict(heartbeat=float(o.heartbeat), stale_after=o.stale_after)
+        if self.checkpoints is not None:
+            c = self.checkpoints
+            out.update(refill=c.refill,
+                       train_state=lambda ckpt: c.train_state(ckpt, CARRIED_ARGS))
+        return out
 
     def _join(self) -> None:
         """A replacement node's process: Megatron-LM's startup without forming a group, then a
@@ -428,7 +468,8 @@ class _Driver:
                                  "another node")
         sw = LiveSwitcher(None, device, self.build, self.verify, rendezvous=rdzv,
                           budget_bytes=self.options.budget_bytes, timeout=self.options.timeout,
-                          init_kwargs=self.init_kwargs(), global_state=MegatronLMState(self))
+                          init_kwargs=self.init_kwargs(), global_state=MegatronLMState(self),
+                          **self._recovery_kwargs())
         self.control = LiveControl(sw, schedule=self._schedule(spec_from_dict(first["spec"])),
                                    requests=True, prepare_ahead=self.options.prepare_ahead)
         self._loop(None, sw)
@@ -455,11 +496,27 @@ class _Driver:
 
             out = real(*a, **k)
             args = get_args()
+            self._stepped(args)
             if self.control.due(args.curr_iteration + 1):  # the boundary after this step
                 args.train_iters = args.curr_iteration + 1
                 self.segment_end = True
             return out
         return train_step
+
+    def _stepped(self, args: Any) -> None:
+        """After a step, what the job's state holds: iteration, consumed samples and FLOPs so
+        far (``train()`` counts them only after ``train_step`` returns, in locals a failure
+        loses: a recovery resumes from these). The FLOPs are the closed form Megatron-LM uses
+        for unpacked sequences."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import training as mt
+
+        dp = mpu.get_data_parallel_world_size() * getattr(args, "gtp_weight_remat_size", 1)
+        batch = dp * args.micro_batch_size * get_num_microbatches()
+        _, _, flops = self.stepped
+        self.stepped = (args.curr_iteration + 1, args.consumed_train_samples + batch,
+                        flops + mt.num_floating_point_operations(args, batch))
 
     def _carry_out(self, job: MegatronJob, args: Any) -> None:
         job.iteration, job.consumed_samples = args.iteration, args.consumed_train_samples
@@ -495,20 +552,27 @@ class _Driver:
             if args.iteration >= self.target:
                 return job
             self.segment_end = False
+            self.stepped = (args.iteration, args.consumed_train_samples,
+                            getattr(args, "num_floating_point_operations_so_far", 0))
             if self.control.due(args.iteration):
                 self.segment_end = True
             else:
                 args.train_iters = self.target
-                iteration, flops = mt.train(
-                    c["forward_step_func"], job.model_chunks, job.optimizer, job.scheduler,
-                    train_it, valid_it, c.get("process_non_loss_data_func"),
-                    get_model_config(job.model_chunks[0]), {}, c.get("non_loss_data_func"),
-                    **_known(mt.train, dict(p2p_communicator=c.get("p2p_communicator"))))
+                try:
+                    iteration, flops = mt.train(
+                        c["forward_step_func"], job.model_chunks, job.optimizer, job.scheduler,
+                        train_it, valid_it, c.get("process_non_loss_data_func"),
+                        get_model_config(job.model_chunks[0]), {}, c.get("non_loss_data_func"),
+                        **_known(mt.train, dict(p2p_communicator=c.get("p2p_communicator"))))
+                except Exception as err:  # noqa: BLE001 — a member died or hangs; else re-raised
+                    args.train_iters = self.target
+                    job = self._recover(job, sw, err, timers)
+                    if job is not None:
+                        self._carry_in(job, args)
+                    continue
                 args.iteration, args.num_floating_point_operations_so_far = iteration, flops
                 args.train_iters = self.target
-                timer = timers("interval-time")
-                if getattr(timer, "_started", False):
-                    timer.stop()
+                self._stop_interval_timer(timers)
             if not self.segment_end:
                 return job
             maybe_finalize_async_save(blocking=True)
@@ -517,6 +581,55 @@ class _Driver:
             if job is not None:
                 self._carry_in(job, args)
 
+    @staticmethod
+    def _stop_interval_timer(timers: Any) -> None:
+        timer = timers("interval-time")  # train() leaves it running
+        if getattr(timer, "_started", False):
+            timer.stop()
+
+    def _recover(self, job: MegatronJob, sw: LiveSwitcher, err: BaseException,
+                 timers: Any) -> MegatronJob | None:
+        """After ``train()`` raised: recover on the survivors if a member is gone (the job to
+        train on; None: this device left the job), else raise ``err`` again (a bug, not a
+        failure). A recovery that cannot restore the lost state ends this process with one
+        line and its exit status (3: state lost)."""
+        import sys
+
+        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+        from megatron.training import get_args
+
+        if not self.options.recover:
+            raise err
+        args = get_args()
+        # What train() left mid-iteration: its timers still running, and the rerun state
+        # machine inside a forward-backward run (its next should_run_forward_backward would
+        # say no, and train_step would use losses it never computed).
+        for timer in getattr(timers, "_timers", {}).values():
+            if getattr(timer, "_started", False):
+                timer.stop()
+        get_rerun_state_machine().state = RerunState.NOT_RUNNING_YET
+        it, consumed, flops = self.stepped
+        job.iteration, job.consumed_samples = it, consumed
+        job.extra = {k: getattr(args, k) for k in CARRIED_ARGS if hasattr(args, k)}
+        job.extra["num_floating_point_operations_so_far"] = flops
+        ckpt = None
+        if self.checkpoints is not None and getattr(args, "save", None):
+            ckpt = self.checkpoints.newest(args.save)
+        try:
+            result = sw.recover(job, checkpoint=ckpt)
+        except RecoveryFailed as failed:
+            if failed.nothing_failed:
+                raise err from None
+            print(f"dynatrain: {_first_line(failed)}", file=sys.stderr, flush=True)
+            raise SystemExit(failed.exit_code) from failed
+        self.control.recovered()
+        if result.job is not None and sw.leader:
+            r = result.recovery
+            print(f"dynatrain: {', '.join(r['failed'])} failed ({_first_line(err)}); recovered "
+                  f"by {r['mode']} on {len(r['devices'])} devices ({r['dst']}), training on "
+                  f"from iteration {result.job.iteration}", flush=True)
+        return result.job
+
     def _finish(self, job: MegatronJob) -> None:
         """What ``pretrain`` does after ``train``: the last save, validation and test."""
         from megatron.core.utils import get_model_config
@@ -524,10 +637,17 @@ class _Driver:
         from megatron.training import training as mt
         from megatron.training.async_utils import maybe_finalize_async_save
 
+        from megatron.training import get_timers
+
         c, args, ck = self.call, get_args(), self.cfg.checkpoint
         iteration = args.iteration
         _, valid_it, test_it = self.iterators_now
         if ck.save and iteration != 0 and iteration % ck.save_interval != 0:
+            # Running, as train() leaves it in pretrain (the driver stopped it between
+            # segments): save_checkpoint_and_time stops it first.
+            timer = get_timers()("interval-time", log_level=0)
+            if not getattr(timer, "_started", False):
+                timer.start()
             mt.save_checkpoint_and_time(iteration, job.model_chunks, job.optimizer,
                                         job.scheduler, args.num_floating_point_operations_so_far,
                                         {}, train_data_iterator=self.iterators_now[0])
@@ -543,7 +663,13 @@ class _Driver:
         maybe_finalize_async_save(blocking=True, terminate=True)
 
 
-def drive(args: tuple, kwargs: dict, options: LiveOptions, verify: Verifier) -> None:
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__
+
+
+def drive(args: tuple, kwargs: dict, options: LiveOptions, verify: Verifier,
+          checkpoints: Checkpoints | None = None) -> None:
     """Run the installed Megatron-LM's ``pretrain(*args, **kwargs)`` program with live
     switches (``dynatrain.megatron_lm.pretrain`` is the public entry point)."""
     from megatron.training import training as mt
@@ -558,4 +684,4 @@ def drive(args: tuple, kwargs: dict, options: LiveOptions, verify: Verifier) -> 
     except TypeError as err:
         raise DynatrainError(f"pretrain: {err}") from None
     bound.apply_defaults()
-    _Driver(dict(bound.arguments), options, verify).run()
+    _Driver(dict(bound.arguments), options, verify, checkpoints).run()

@@ -251,8 +251,10 @@ class Recovery:
         agreed = tuple(rdzv.propose(f"{self.name}/failed", {"failed": proposal})["failed"])
         self._lap("detect")
         if not agreed:
-            raise self._fail("every device of the job answered: nothing failed (a switch "
+            err = self._fail("every device of the job answered: nothing failed (a switch "
                              "without failures is switch())", EXIT_BAD_INPUT)
+            err.nothing_failed = True
+            raise err
         if self.me in agreed:
             raise self._fail("the other processes declared this device failed (it did not "
                              f"answer within {wait:.1f} s); it must leave the job",

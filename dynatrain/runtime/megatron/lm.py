@@ -620,14 +620,16 @@ class _Driver:
         except RecoveryFailed as failed:
             if failed.nothing_failed:
                 raise err from None
-            print(f"dynatrain: {_first_line(failed)}", file=sys.stderr, flush=True)
+            where = "" if ckpt is not None else " [no checkpoint under --save to read]"
+            print(f"dynatrain: {_first_line(failed)}{where}", file=sys.stderr, flush=True)
             raise SystemExit(failed.exit_code) from failed
         self.control.recovered()
         if result.job is not None and sw.leader:
             r = result.recovery
-            print(f"dynatrain: {', '.join(r['failed'])} failed ({_first_line(err)}); recovered "
-                  f"by {r['mode']} on {len(r['devices'])} devices ({r['dst']}), training on "
-                  f"from iteration {result.job.iteration}", flush=True)
+            why = _first_line(err)[:120]
+            print(f"dynatrain: {', '.join(r['failed'])} failed ({why}); recovered by "
+                  f"{r['mode']} on {len(r['devices'])} devices ({r['dst']}), training on from "
+                  f"iteration {result.job.iteration}", flush=True)
         return result.job
 
     def _finish(self, job: MegatronJob) -> None:
@@ -665,7 +667,7 @@ class _Driver:
 
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    return text[0][:300] if text else type(err).__name__
+    return text[0] if text else type(err).__name__
 
 
 def drive(args: tuple, kwargs: dict, options: LiveOptions, verify: Verifier,

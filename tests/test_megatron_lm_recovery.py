@@ -52,7 +52,8 @@ def test_a_node_dies_inside_train_and_the_job_trains_on(tmp_path, capfd, dies_at
     line = [x for x in capfd.readouterr().out.splitlines() if x.startswith("dynatrain: ")]
     assert line and line[0].startswith("dynatrain: node1:gpu0, node1:gpu1 failed (") and \
         f"recovered by {mode} on 2 devices" in line[0] and \
-        line[0].endswith(f"training on from iteration {CKPT_AT}"), line
+        f"training on from iteration {CKPT_AT}; downtime " in line[0] and \
+        ("reload" if mode == "rollback" else "refill") in line[0], line
     survivors = live[:2]
     for rec in survivors:
         assert rec.iteration == ITERS

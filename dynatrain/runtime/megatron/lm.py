@@ -627,9 +627,12 @@ class _Driver:
         if result.job is not None and sw.leader:
             r = result.recovery
             why = _first_line(err)[:120]
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in result.phases().items())
             print(f"dynatrain: {', '.join(r['failed'])} failed ({why}); recovered by "
                   f"{r['mode']} on {len(r['devices'])} devices ({r['dst']}), training on from "
-                  f"iteration {result.job.iteration}", flush=True)
+                  f"iteration {result.job.iteration}; downtime "
+                  f"{result.seconds.get('downtime', 0.0):.2f} s on this process ({phases} s)",
+                  flush=True)
         return result.job
 
     def _finish(self, job: MegatronJob) -> None:

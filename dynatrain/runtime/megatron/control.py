@@ -94,7 +94,7 @@ class LiveControl:
         self.pending: _Pending | None = None
         self.build_ahead = build_ahead
         self._tried = False  # the pending switch's destination: built ahead, or found it cannot
-        self._boundary: float | None = None  # when the last boundary was
+        self._boundary: tuple[float, int] | None = None  # when the last boundary was, which
         self.iteration_seconds: float | None = None  # between the last two boundaries
         self.last: SwitchResult | SwitchFailed | None = None
         self._handled = 0  # the last request number rank 0 looked at
@@ -279,9 +279,12 @@ class LiveControl:
         training loop that cannot stop at every boundary (Megatron-LM's ``train``) calls it
         after each step and ends its segment when it says so, then calls ``switch``."""
         now = time.monotonic()
-        if self._boundary is not None:
-            self.iteration_seconds = now - self._boundary
-        self._boundary = now
+        # Per iteration between boundaries seen (Megatron-LM's driver asks twice at a boundary
+        # where a segment ends).
+        if self._boundary is not None and iteration > self._boundary[1]:
+            self.iteration_seconds = (now - self._boundary[0]) / (iteration - self._boundary[1])
+        if self._boundary is None or iteration != self._boundary[1]:
+            self._boundary = (now, iteration)
         if self.pending is None and (iteration + self.ahead) in self.schedule:
             due = iteration + self.ahead
             self._set_pending(_Pending(self.schedule.pop(due), due, None))

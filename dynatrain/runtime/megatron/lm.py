@@ -103,6 +103,10 @@ class LiveOptions:
             stopped member is told from a slow one); with ``recover``.
         stale_after: seconds without a beat after which a member counts as gone (default ten
             heartbeats).
+        abort_after: with ``recover`` on NCCL: once a member has not beaten for this many
+            seconds, a watchdog aborts this process's communicators so that collectives blocked
+            on it raise at once instead of at ``--distributed-timeout-minutes``
+            (``LiveSwitcher(abort_after=...)``; gloo cannot abort: its group timeout releases).
     """
 
     schedule: Mapping[int, LayoutSpec | str | Mapping[str, Any]] = field(default_factory=dict)
@@ -117,6 +121,7 @@ class LiveOptions:
     recover: bool = True
     heartbeat: float = 1.0
     stale_after: float | None = None
+    abort_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -420,7 +425,8 @@ class _Driver:
             return {}
         if not (isinstance(o.heartbeat, (int, float)) and o.heartbeat > 0):
             raise DynatrainError(f"heartbeat: seconds > 0 (got {o.heartbeat!r})")
-        out: dict = dict(heartbeat=float(o.heartbeat), stale_after=o.stale_after)
+        out: dict = dict(heartbeat=float(o.heartbeat), stale_after=o.stale_after,
+                         abort_after=o.abort_after)
         if self.checkpoints is not None:
             c = self.checkpoints
             out.update(refill=c.refill,

@@ -308,13 +308,26 @@ class LiveControl:
         # Built at this boundary: the switch runs at the next one.
         return not (self.build_ahead and not self._tried and self._build(p))
 
-    def recovered(self) -> None:
-        """After ``LiveSwitcher.recover``: the switch that was pending is dropped (its plan
-        was of the old world) and rank 0 posts the layout the job runs now."""
-        if self.pending is not None and self.pending.request is not None:
-            self._answer(self.pending.request, "failed", "a member of the job failed before "
-                         "the switch ran; the job recovered on the devices left",
-                         self.sw.leader)
+    def recovered(self, result: SwitchResult | None = None) -> None:
+        """After ``LiveSwitcher.recover`` (``result``): the switch that was pending is dropped
+        (its plan was of the old world), its request answered as failed with what happened
+        instead (for a notice: whether its devices went before the switch, and how the job
+        recovered), and rank 0 posts the layout the job runs now."""
+        p = self.pending
+        if p is not None and p.request is not None:
+            info = result.recovery if result is not None else {}
+            gone = ", ".join(info.get("failed", [])) or "a member of the job"
+            if p.notice is not None:
+                left = p.notice.seconds_left()
+                when = (f"{-left:.1f} s after the notice's deadline" if left < 0 else
+                        f"{left:.1f} s before the notice's deadline")
+                head = f"notice: {gone} failed before the switch ran ({when})"
+            else:
+                head = f"{gone} failed before the switch ran"
+            how = (f"; the job recovered by {info['mode']} on {len(info['devices'])} devices "
+                   f"({info['dst']}) at iteration {info['iteration']}" if "mode" in info else
+                   "; the job recovered on the devices left")
+            self._answer(p.request, "failed", head + how, self.sw.leader)
         self._set_pending(None)
         if self.sw.active:
             self._publish()

@@ -629,7 +629,7 @@ class _Driver:
             where = "" if ckpt is not None else " [no checkpoint under --save to read]"
             print(f"dynatrain: {_first_line(failed)}{where}", file=sys.stderr, flush=True)
             raise SystemExit(failed.exit_code) from failed
-        self.control.recovered()
+        self.control.recovered(result)
         if result.job is not None and sw.leader:
             r = result.recovery
             why = _first_line(err)[:120]

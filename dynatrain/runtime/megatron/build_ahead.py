@@ -1,4 +1,5 @@
-"""A same-devices switch's destination job, built at an iteration boundary before the switch.
+"""A same-devices switch's destination job, built at an iteration boundary before the switch
+(``LiveSwitcher.build_ahead`` runs ``build_ahead`` here; its ``switch`` then ``switch_built``).
 
 Building the destination (megatron's modules, DDP buffers, the distributed optimizer and its
 state, bound as the plan's destination storage) depends on the destination layout only, not on
@@ -26,18 +27,28 @@ says why.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ...ir.state import StateView, storage_tensors
+from ...ir.state import StateView, storage_tensors, transition_views
 from ...ir.units import format_bytes
+from ..executor import SwitchAborted, switch
 from ..headroom import free_bytes
 from ..storage import torch_dtype
+from . import te_fp8
+from .bridge import bind_state, install_step
 from .groups_ahead import _new_group_is, _restore, _snapshot
-from .job import MegatronJob, Prepared
+from .groups_ahead import resync as resync_groups
+from .job import (MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, first_line,
+                  parallel_kwargs, where_failed)
+from .world import WorldSwitch
+
+if TYPE_CHECKING:
+    from .live import LiveSwitcher
 
 
 @dataclass(slots=True)
@@ -155,3 +166,143 @@ def build(build_fn: Any, spec: Any, initialize: Any) -> tuple[MegatronJob, Any]:
     clear_parallel_state()
     groups = initialize()
     return build_fn(spec), groups
+
+
+# ---- LiveSwitcher's build ahead and its switch ---------------------------------------------
+
+
+def build_ahead(sw: LiveSwitcher) -> str | None:
+    """``LiveSwitcher.build_ahead`` (its docstring), for ``sw``."""
+    t0 = time.perf_counter()
+    why = cannot_build_ahead(sw)
+    if why == "":
+        return None  # built already
+    if not sw._all_built(why is None):
+        sw.ahead_why = why or "another process of the job could not build ahead"
+        return sw.ahead_why
+    assert sw._pending is not None and sw.layout is not None
+    prep = sw._pending.result()
+    if prep.plan is None:  # this device's slice, cut into rounds now (agreed by all)
+        try:
+            prep = sw._cut_slice(prep, None)
+        except SwitchFailed as err:
+            sw.ahead_why = first_line(err.__cause__ or err)
+            return sw.ahead_why
+    _, dst_view = transition_views(sw.layout, prep.dst)
+    groups_ahead = sw._ahead
+    if groups_ahead is not None:
+        initialize = groups_ahead.initialize
+    else:
+        def initialize() -> int:
+            from megatron.core import parallel_state as ps
+
+            ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **sw.init_kwargs)
+            return 0
+    saved_ps, saved_global = parallel_state(), sw._save_global()
+    saved_rng = rng_state()
+    built = failure = None
+    try:
+        new, groups = build(sw.build, prep.dst_spec, initialize)
+        storage = bind_state(dst_view, sw.rank, new.model_chunks, new.optimizer)
+        built = Built(prep, new, storage, parallel_state(),
+                      sw._save_global(), rng_state(), groups, 0.0)
+    except Exception as err:  # noqa: BLE001 — agreed below; the switch builds instead
+        failure = err
+    finally:  # the source's parallel state, global state and RNG streams, exactly
+        set_parallel_state(saved_ps)
+        if sw.global_state is not None:
+            sw.global_state.restore(saved_global)
+        set_rng_state(saved_rng)
+    if not sw._all_built(failure is None):
+        built = None
+        if groups_ahead is None:  # groups made here, maybe not as many everywhere
+            resync_groups(sw.group)
+        sw.ahead_why = f"building ahead failed on {where_failed(failure)}"
+        return sw.ahead_why
+    assert built is not None
+    built.seconds = time.perf_counter() - t0
+    sw._built, sw._ahead, sw.ahead_why = built, None, None
+    return None
+
+
+def cannot_build_ahead(sw: LiveSwitcher) -> str | None:
+    """Why this process cannot build the prepared switch's destination ahead (None: it
+    can; empty: it has)."""
+    if sw.layout is None:
+        return f"{sw.device} runs no rank"
+    if sw._pending is None or not sw._pending.done():
+        return "no switch is prepared and planned (prepare, then wait for ready())"
+    if sw._pending.exception() is not None:
+        return "the switch's planning failed (the switch says why)"
+    prep = sw._pending.result()
+    if not prep.in_place:
+        return ("the world changes: the destination's job is built in its own group, at "
+                "the switch")
+    if sw._built_for(prep) is not None:
+        return ""
+    if sw._ahead is not None and not sw._ahead.ready(sw.timeout):
+        return (f"{sw.device}: the destination's groups made ahead were not ready "
+                f"within {sw.timeout:.0f} s")
+    _, dst_view = transition_views(sw.layout, prep.dst)
+    return no_room(dst_view, sw.rank, sw.device, sw._cuda_device, sw.reserve_bytes)
+
+
+def switch_built(sw: LiveSwitcher, job: MegatronJob, prep: Prepared, src: dict,
+                 t: list[float], built: Built, saved: object, scheduler: dict) -> SwitchResult:
+    """The in-place switch into a destination built ahead: the exchange straight into its
+    storage, the step and scheduler installed, the build's global state and RNG streams
+    put in place, the commit vote; then megatron's parallel state of the destination
+    replaces the source's. Until the vote the source's parallel state never changes, so a
+    failure only puts back what was saved."""
+    from megatron.core import parallel_state as ps
+
+    src_view, dst_view = transition_views(sw.layout, prep.dst)
+    saved_rng = rng_state()
+    sw.groups_taken = built.groups
+    try:
+        dst, report = switch(prep.plan, src_view, dst_view, sw.device, src, sw.group,
+                             timeout=sw.timeout, check_transfers=sw.check_transfers,
+                             dst_store=built.storage)
+    except SwitchAborted as err:
+        built = None  # free the destination job before going back
+        if not err.group_destroyed:
+            raise SwitchFailed(f"{err}; the job trains on", job) from err
+        if sw.rendezvous is None or prep.generation is None:
+            raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
+                               "formed again: restart from a checkpoint", None) from err
+        world = WorldSwitch(sw, prep, sw.device, sw.rendezvous)
+        world.roll_back(job, scheduler, err, saved)  # raises SwitchFailed, rebuilt job
+    del src
+    t.append(time.perf_counter())
+    new, failure = built.job, None
+    try:
+        install_step(new.optimizer, dst)
+        carry_into(new, scheduler)
+        if sw.global_state is not None:
+            sw.global_state.restore(built.global_state)
+        set_rng_state(built.rng)
+    except Exception as err:  # noqa: BLE001 — voted below, then raised everywhere
+        failure = err
+    if not sw._all_built(failure is None):
+        new = dst = built = None
+        if sw.global_state is not None:
+            sw.global_state.restore(saved)
+        set_rng_state(saved_rng)
+        where = where_failed(failure)
+        raise SwitchFailed(f"{sw.device}: installing the switched state failed on {where}"
+                           "; back in the source layout, the job trains on",
+                           job) from failure
+    ps.destroy_model_parallel()  # the source's groups
+    set_parallel_state(built.parallel)
+    t.append(time.perf_counter())
+    te_fp8.forget_groups()  # the source job's TE fp8 registrations name its old groups
+    sw._after(prep, "stayed")
+    names = ("check_agree", "cut_slice", "save_state", "exchange", "install")  # rest: ahead
+    seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
+    seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
+                   check=sw.check_seconds or 0.0, downtime=t[-1] - t[0],
+                   build_ahead=built.seconds)
+    report["groups_ahead"] = sw.groups_taken
+    report["arrived_at"], report["left_at"] = sw._arrived, time.time()
+    report["built_ahead"] = True
+    return SwitchResult(new, report, seconds, "stayed", prep.generation)

@@ -48,6 +48,7 @@ from ...ir.loader import spec_from_dict, spec_to_dict
 from ...ir.spec import LayoutSpec
 from ...report.summary import grid
 from .job import MegatronJob, Notice, SwitchFailed, SwitchResult
+from .job import first_line as _first_line
 from .live import LiveSwitcher
 from .requests import answer
 
@@ -58,11 +59,6 @@ class _Pending:
     due: int | None  # the scheduled iteration; None: a request, due once every plan is ready
     request: int | None  # the request's number in the store
     notice: Notice | None = None  # the preemption notice it meets
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 def _cause(err: SwitchFailed) -> BaseException:

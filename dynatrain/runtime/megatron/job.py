@@ -177,6 +177,19 @@ class RecoveryFailed(SwitchFailed):
         self.nothing_failed = False  # every device answered the roll call: none is gone
 
 
+def first_line(err: BaseException) -> str:
+    """An error's first line (its type's name when it has no text)."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def where_failed(failure: BaseException | None) -> str:
+    """Which process a failure agreed on by every process happened on, and why."""
+    if failure is None:
+        return "another process"
+    return f"this process: {type(failure).__name__}: {failure}"
+
+
 def parallel_kwargs(spec: LayoutSpec) -> dict:
     """``parallel_state.initialize_model_parallel`` arguments of a spec's layout."""
     p = spec.parallel

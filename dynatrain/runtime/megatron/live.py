@@ -101,6 +101,7 @@ from .bridge import bind_state, extract_state, install_step
 from .check_job import check_job
 from .job import (Builder, GlobalState, MegatronJob, Notice, Prepared, Refill, SwitchFailed,
                   SwitchResult, TrainState, Verifier, carried, carry_into, parallel_kwargs)
+from .job import where_failed as _where
 from . import build_ahead as ahead_build
 from .build_ahead import Built
 from .groups_ahead import GroupsAhead
@@ -112,18 +113,6 @@ from .watchdog import Watchdog
 from .world import WorldSwitch
 
 SLICE_PLANNER = "spread-1"  # in the digest: processes must run the same planner
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-
-
-def _where(failure: BaseException | None) -> str:
-    """Which process a failure agreed on by every process happened on, and why."""
-    if failure is None:
-        return "another process"
-    return f"this process: {type(failure).__name__}: {failure}"
 
 
 def slice_digest(src_spec: LayoutSpec, src: Layout, dst_spec: LayoutSpec, dst: Layout,
@@ -386,7 +375,7 @@ class LiveSwitcher:
         """True once ``prepare``'s plan is done (or failed)."""
         return self._pending is not None and self._pending.done()
 
-    # ---- the destination built ahead -----------------------------------------------------------
+    # ---- the destination built ahead (build_ahead.py) ------------------------------------------
 
     def build_ahead(self) -> str | None:
         """Build the prepared same-devices switch's destination job now, so that ``switch``
@@ -402,78 +391,7 @@ class LiveSwitcher:
         time is ``seconds["build_ahead"]`` of the switch's result (not downtime: the job
         trains between it and the switch).
         """
-        t0 = time.perf_counter()
-        why = self._cannot_build_ahead()
-        if why == "":
-            return None  # built already
-        if not self._all_built(why is None):
-            self.ahead_why = why or "another process of the job could not build ahead"
-            return self.ahead_why
-        assert self._pending is not None and self.layout is not None
-        prep = self._pending.result()
-        if prep.plan is None:  # this device's slice, cut into rounds now (agreed by all)
-            try:
-                prep = self._cut_slice(prep, None)
-            except SwitchFailed as err:
-                self.ahead_why = _first_line(err.__cause__ or err)
-                return self.ahead_why
-        _, dst_view = transition_views(self.layout, prep.dst)
-        groups_ahead = self._ahead
-        if groups_ahead is not None:
-            initialize = groups_ahead.initialize
-        else:
-            def initialize() -> int:
-                from megatron.core import parallel_state as ps
-
-                ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **self.init_kwargs)
-                return 0
-        saved_ps, saved_global = ahead_build.parallel_state(), self._save_global()
-        saved_rng = ahead_build.rng_state()
-        built = failure = None
-        try:
-            new, groups = ahead_build.build(self.build, prep.dst_spec, initialize)
-            storage = bind_state(dst_view, self.rank, new.model_chunks, new.optimizer)
-            built = Built(prep, new, storage, ahead_build.parallel_state(),
-                          self._save_global(), ahead_build.rng_state(), groups, 0.0)
-        except Exception as err:  # noqa: BLE001 — agreed below; the switch builds instead
-            failure = err
-        finally:  # the source's parallel state, global state and RNG streams, exactly
-            ahead_build.set_parallel_state(saved_ps)
-            if self.global_state is not None:
-                self.global_state.restore(saved_global)
-            ahead_build.set_rng_state(saved_rng)
-        if not self._all_built(failure is None):
-            built = None
-            if groups_ahead is None:  # groups made here, maybe not as many everywhere
-                resync_groups(self.group)
-            self.ahead_why = f"building ahead failed on {_where(failure)}"
-            return self.ahead_why
-        assert built is not None
-        built.seconds = time.perf_counter() - t0
-        self._built, self._ahead, self.ahead_why = built, None, None
-        return None
-
-    def _cannot_build_ahead(self) -> str | None:
-        """Why this process cannot build the prepared switch's destination ahead (None: it
-        can; empty: it has)."""
-        if self.layout is None:
-            return f"{self.device} runs no rank"
-        if self._pending is None or not self._pending.done():
-            return "no switch is prepared and planned (prepare, then wait for ready())"
-        if self._pending.exception() is not None:
-            return "the switch's planning failed (the switch says why)"
-        prep = self._pending.result()
-        if not prep.in_place:
-            return ("the world changes: the destination's job is built in its own group, at "
-                    "the switch")
-        if self._built_for(prep) is not None:
-            return ""
-        if self._ahead is not None and not self._ahead.ready(self.timeout):
-            return (f"{self.device}: the destination's groups made ahead were not ready "
-                    f"within {self.timeout:.0f} s")
-        _, dst_view = transition_views(self.layout, prep.dst)
-        return ahead_build.no_room(dst_view, self.rank, self.device, self._cuda_device,
-                                   self.reserve_bytes)
+        return ahead_build.build_ahead(self)
 
     def _prepare(self, src_spec: LayoutSpec, src: Layout, dst_spec: LayoutSpec,
                  generation: int | None) -> Prepared:
@@ -654,7 +572,7 @@ class LiveSwitcher:
         new = dst = failure = None
         built, self._built = self._built_for(prep), None
         if built is not None:
-            return self._switch_built(job, prep, src, t, built, saved, scheduler)
+            return ahead_build.switch_built(self, job, prep, src, t, built, saved, scheduler)
         ahead, self._ahead = self._ahead, None
         waited = time.perf_counter()
         if self.groups_ahead and groups_ahead_supported(self.init_kwargs):
@@ -727,66 +645,6 @@ class LiveSwitcher:
                        groups_wait=waited)
         report["groups_ahead"] = self.groups_taken
         report["arrived_at"], report["left_at"] = self._arrived, time.time()
-        return SwitchResult(new, report, seconds, "stayed", prep.generation)
-
-    def _switch_built(self, job: MegatronJob, prep: Prepared, src: dict, t: list[float],
-                      built: Built, saved: object, scheduler: dict) -> SwitchResult:
-        """The in-place switch into a destination built ahead: the exchange straight into its
-        storage, the step and scheduler installed, the build's global state and RNG streams
-        put in place, the commit vote; then megatron's parallel state of the destination
-        replaces the source's. Until the vote the source's parallel state never changes, so a
-        failure only puts back what was saved."""
-        from megatron.core import parallel_state as ps
-
-        src_view, dst_view = transition_views(self.layout, prep.dst)
-        saved_rng = ahead_build.rng_state()
-        self.groups_taken = built.groups
-        try:
-            dst, report = switch(prep.plan, src_view, dst_view, self.device, src, self.group,
-                                 timeout=self.timeout, check_transfers=self.check_transfers,
-                                 dst_store=built.storage)
-        except SwitchAborted as err:
-            built = None  # free the destination job before going back
-            if not err.group_destroyed:
-                raise SwitchFailed(f"{err}; the job trains on", job) from err
-            if self.rendezvous is None or prep.generation is None:
-                raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
-                                   "formed again: restart from a checkpoint", None) from err
-            world = WorldSwitch(self, prep, self.device, self.rendezvous)
-            world.roll_back(job, scheduler, err, saved)  # raises SwitchFailed, rebuilt job
-        del src
-        t.append(time.perf_counter())
-        new, failure = built.job, None
-        try:
-            install_step(new.optimizer, dst)
-            carry_into(new, scheduler)
-            if self.global_state is not None:
-                self.global_state.restore(built.global_state)
-            ahead_build.set_rng_state(built.rng)
-        except Exception as err:  # noqa: BLE001 — voted below, then raised everywhere
-            failure = err
-        if not self._all_built(failure is None):
-            new = dst = built = None
-            if self.global_state is not None:
-                self.global_state.restore(saved)
-            ahead_build.set_rng_state(saved_rng)
-            where = _where(failure)
-            raise SwitchFailed(f"{self.device}: installing the switched state failed on {where}"
-                               "; back in the source layout, the job trains on",
-                               job) from failure
-        ps.destroy_model_parallel()  # the source's groups
-        ahead_build.set_parallel_state(built.parallel)
-        t.append(time.perf_counter())
-        te_fp8.forget_groups()  # the source job's TE fp8 registrations name its old groups
-        self._after(prep, "stayed")
-        names = ("check_agree", "cut_slice", "save_state", "exchange", "install")  # rest: ahead
-        seconds = {n: b - a for n, a, b in zip(names, t, t[1:])}
-        seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
-                       check=self.check_seconds or 0.0, downtime=t[-1] - t[0],
-                       build_ahead=built.seconds)
-        report["groups_ahead"] = self.groups_taken
-        report["arrived_at"], report["left_at"] = self._arrived, time.time()
-        report["built_ahead"] = True
         return SwitchResult(new, report, seconds, "stayed", prep.generation)
 
     def _all_built(self, ok: bool) -> bool:

@@ -61,6 +61,7 @@ from ...ir.loader import load_spec, spec_from_dict, spec_to_dict
 from ...ir.spec import LayoutSpec
 from .control import LiveControl
 from .job import MegatronJob, RecoveryFailed, Refill, Verifier
+from .job import first_line as _first_line
 from .lm_args import layout_args
 from .live import LiveSwitcher
 from .rendezvous import Rendezvous
@@ -672,11 +673,6 @@ class _Driver:
                     verbose=True, write_to_tensorboard=not self.cfg.validation.skip_train,
                     non_loss_data_func=c.get("non_loss_data_func"))
         maybe_finalize_async_save(blocking=True, terminate=True)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 def drive(args: tuple, kwargs: dict, options: LiveOptions, verify: Verifier,

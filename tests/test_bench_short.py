@@ -77,7 +77,8 @@ def _claims(name: str, doc: dict) -> None:
             # Both events met, each iteration counted once (the bench checks the numbering),
             # nothing lost, the first layout's 8 devices back at the end.
             assert [(e["what"], e["done"]) for e in w["events"]] == [("notice", True),
-                                                                   ("back", True)], w["events"]
+                                                                   ("back", True)], \
+                (w["way"], w["events"])
             assert all(e["iterations_lost"] == 0 and e["downtime_s"] > 0 for e in w["events"])
             assert w["events"][-1]["devices"] == 8 and w["iterations"] > 0
             assert 0 < w["effective_training_time_ratio"] <= 1.05

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
 import torch
 from megatron.core import parallel_state as ps
 
@@ -177,12 +176,11 @@ def test_no_room_beside_the_job(monkeypatch) -> None:
         "built at the switch" in why, why
 
 
-@pytest.mark.parametrize("reserve", [None])
-def test_reserve_defaults_to_the_allocators_peak(monkeypatch, reserve) -> None:
+def test_reserve_defaults_to_the_allocators_peak(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: 7 << 20)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 3 << 20)
     assert ahead.job_reserve(0) == 4 << 20
     assert ahead.job_reserve(None) is None
     monkeypatch.setattr(ahead, "free_bytes", lambda dev: 10 << 30)
     layout = Layout(to_spec(CFG_B))
-    assert ahead.no_room(view_of(layout), 0, "node0:gpu0", 0, reserve) is None
+    assert ahead.no_room(view_of(layout), 0, "node0:gpu0", 0, None) is None

@@ -522,8 +522,10 @@ class _Driver:
         dp = mpu.get_data_parallel_world_size() * getattr(args, "gtp_weight_remat_size", 1)
         batch = dp * args.micro_batch_size * get_num_microbatches()
         _, _, flops = self.stepped
+        count = getattr(mt, "num_floating_point_operations", None)  # a counter for logs only:
+        step_flops = count(args, batch) if count is not None else 0.0  # never stop training
         self.stepped = (args.curr_iteration + 1, args.consumed_train_samples + batch,
-                        flops + mt.num_floating_point_operations(args, batch))
+                        flops + step_flops)
 
     def _carry_out(self, job: MegatronJob, args: Any) -> None:
         job.iteration, job.consumed_samples = args.iteration, args.consumed_train_samples

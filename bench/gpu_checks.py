@@ -12,11 +12,18 @@ each as its own process with a time limit:
   (local copies through Triton, ``check_transfers``), and the Triton fingerprint against the
   torch path on the same bytes;
 - ``pack_bench.py --device cuda --case 70b``: packing and unpacking through the copy tables;
-- ``fingerprint_bench.py --device cuda``: the fingerprint kernel's bandwidth against a copy.
+- ``fingerprint_bench.py --device cuda``: the fingerprint kernel's bandwidth against a copy;
+- the CUDA allocator's figures a switch's and a build ahead's memory checks read (a test);
+- ``one_device_switch.py --device cuda``: a megatron-core job on CUDA switched live twice over
+  NCCL (one refused build ahead, one built ahead), bit for bit against megatron's own view,
+  then trained on with the losses of a run that never switched;
+- ``nccl_abort_probe.py``: whether the watchdog's abort releases a collective waiting on an
+  NCCL peer that never came (torch's blocking and non-blocking communicator creation).
 
 What one GPU cannot check is listed in the JSON under ``not_checkable`` with the reason: a
-switch between two NCCL ranks (one GPU cannot host two NCCL ranks), the watchdog aborting NCCL
-communicators of a hung peer, and NCCL groups made ahead of a switch. Without a CUDA device
+switch between two NCCL ranks (one GPU cannot host two NCCL ranks), the watchdog releasing a
+collective whose peer died on a formed communicator, and NCCL groups made ahead of a switch.
+The GPU machine needs megatron-core and pydantic beside torch and Triton (``pip install -e .``). Without a CUDA device
 every check is reported as not run, with that reason, and the exit status is 0.
 
 Exit status: 0 every check that ran passed, 1 a check failed or ran past its time limit.
@@ -41,23 +48,32 @@ DEFAULT_OUT = ROOT / "bench" / "results" / "gpu_checks.json"
 TESTS = (  # node ids of the tests that skip without CUDA
     "tests/test_copytable.py::test_one_process_cuda_switch_copies_locally_bit_exact",
     "tests/test_fingerprint.py::test_cpu_and_cuda_agree",
+    "tests/test_headroom.py::test_cuda_free_bytes_and_job_reserve_follow_real_allocations",
 )
 BENCHES = {  # name -> (arguments before --out, seconds allowed)
     "pack_bench": (["--device", "cuda", "--case", "70b"], 240),
     "fingerprint_bench": (["--device", "cuda"], 180),
+    "one_device_switch": (["--device", "cuda"], 240),
+    "nccl_abort_probe": ([], 150),
 }
 NOT_CHECKABLE = {
     "two-rank NCCL switch": "one GPU cannot host two NCCL ranks",
-    "watchdog aborting NCCL communicators": "needs a second NCCL rank to hang",
+    "watchdog releasing a collective of a formed NCCL communicator whose peer died":
+        "needs a second NCCL rank (nccl_abort_probe stages a peer that never came instead)",
     "NCCL groups made ahead of a switch": "groups ahead are gloo-only; NCCL needs two ranks",
 }
+
+
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller's PYTHONPATH holds (carried packages)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _run(argv: list[str], timeout: float) -> dict:
     t0 = time.perf_counter()
     try:
         done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                              env=dict(os.environ, PYTHONPATH=_pythonpath()))
     except subprocess.TimeoutExpired:
         return {"status": "failed", "why": f"ran past its limit of {timeout:.0f} s",
                 "seconds": time.perf_counter() - t0}

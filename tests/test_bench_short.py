@@ -5,7 +5,8 @@ bit-equal to megatron's own on every destination, the runtime's staging stays wi
 the fixed-cost calibration's predictions are finite positive ratios, the fingerprint and pack
 benches measured what they list, and the recovery bench recovered each way it names (nothing
 re-read by an exchange, at most the lost bytes by a refill, everything by a rollback), and the
-goodput bench met every event of its trace each way, in the layouts each way goes to. Timings
+goodput bench met every event of its trace each way, in the layouts each way goes to, and the
+one-device live switch equals megatron's view of its source. Timings
 are not asserted (they belong to the benches).
 """
 
@@ -34,6 +35,7 @@ SHORT = {
     "recovery_bench": ["--repeat", "1", "--out"],
     "plan_bench": ["--only", "GPT-OSS", "--out"],  # the full bench plans 1000s of GPUs
     "goodput_bench": ["--trace", "short", "--startup", "8", "--out"],
+    "one_device_switch": ["--device", "cpu", "--out"],
 }
 
 
@@ -102,6 +104,14 @@ def _claims(name: str, doc: dict) -> None:
             assert row["live-ahead"]["ratio"] >= row["live"]["ratio"]
     elif name == "pack_bench":
         assert doc["pieces_packed"] > 0 and doc["pieces_unpacked"] > 0
+    elif name == "one_device_switch":
+        # Both switches equal megatron's view of the source, built ahead (the CPU's memory is
+        # not checked), and the run trained on with the losses of one that never switched.
+        assert [(s["from"], s["built_ahead"]) for s in doc["switches"]] == [
+            ("distributed optimizer", True), ("non-distributed optimizer", True)]
+        assert all(s["tensors_compared"] > 0 and "build" not in s["phases_s"]
+                   and "exchange" in s["phases_s"] for s in doc["switches"])
+        assert len(doc["losses"]) == 6 and doc["backend"] == "gloo"
 
 
 @pytest.mark.parametrize("name", sorted(SHORT))

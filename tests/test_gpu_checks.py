@@ -6,6 +6,8 @@ tests it names exist and skip without CUDA."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,3 +60,11 @@ def test_the_named_tests_exist_and_need_cuda() -> None:
         assert "torch.cuda.is_available()" in text[max(0, at - 200):at], node
     for name in gc.BENCHES:
         assert (ROOT / "bench" / f"{name}.py").is_file()
+
+
+def test_the_nccl_probe_without_cuda_says_so_in_one_line() -> None:
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "nccl_abort_probe.py")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT)))
+    assert run.returncode == 2
+    assert run.stderr.strip() == "nccl_abort_probe: this machine has no CUDA device"

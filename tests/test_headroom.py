@@ -105,3 +105,27 @@ def test_live_prepare_refuses_a_switch_the_free_memory_cannot_hold(monkeypatch) 
         _prepare(monkeypatch, want.total_bytes - 1)
     prepared = _prepare(monkeypatch, want.total_bytes)
     assert prepared.plan.dst_devices == d.devices
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_free_bytes_and_job_reserve_follow_real_allocations() -> None:
+    """On a GPU (``bench/gpu_checks.py``): a block the allocator holds in its cache after a
+    ``del`` is free for a switch though the driver counts it used; the job's reserve is the
+    allocator's peak above what is allocated."""
+    from dynatrain.runtime.megatron.build_ahead import job_reserve
+
+    dev = torch.cuda.current_device()
+    slack = 64 << 20  # the allocator's rounding and whatever else the process allocated
+    torch.cuda.empty_cache()
+    before = free_bytes(dev)
+    x = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    held = free_bytes(dev)
+    assert GiB - slack <= before - held <= GiB + slack, (before, held)
+    torch.cuda.reset_peak_memory_stats(dev)
+    y = torch.empty(GiB // 4, dtype=torch.uint8, device="cuda")  # an iteration's activations
+    del y
+    assert GiB // 4 <= job_reserve(dev) <= GiB // 4 + slack
+    del x
+    after, (driver_free, _) = free_bytes(dev), torch.cuda.mem_get_info(dev)
+    assert after - driver_free >= GiB - slack, "a cached free block was not counted as free"
+    assert abs(after - before) <= slack, (before, after)

@@ -54,7 +54,7 @@ BENCHES = {  # name -> (arguments before --out, seconds allowed)
     "pack_bench": (["--device", "cuda", "--case", "70b"], 240),
     "fingerprint_bench": (["--device", "cuda"], 180),
     "one_device_switch": (["--device", "cuda"], 240),
-    "nccl_abort_probe": ([], 150),
+    "nccl_abort_probe": ([], 150),  # four cases of at most 25 s each
 }
 NOT_CHECKABLE = {
     "two-rank NCCL switch": "one GPU cannot host two NCCL ranks",

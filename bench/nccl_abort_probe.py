@@ -9,12 +9,14 @@ recovery every process forms new groups, and NCCL creates a group's communicator
 collective; a peer that died in between leaves the others blocked in the communicator's
 creation. Each case runs in its own process: rank 0 of a two-rank NCCL group (rank 1 never
 comes) enters an all-reduce; DynaTrain's ``Watchdog`` declares the missing device stale after
-``--abort-at`` seconds and calls ``abort_all_groups`` (torch's ``_abort_process_group``). The
-case reports whether the all-reduce came back, raising, and how long after the abort, or that it
-was still blocked when the case was killed (``--limit`` seconds).
+``--abort-at`` seconds and calls ``abort_all_groups`` (torch's ``_abort_process_group``); or,
+without the watchdog, the group's own timeout is short. The case reports whether the
+all-reduce came back, raising, and how long after the abort (or its start), or that it was
+still blocked when the case was killed (``--limit`` seconds).
 
-Cases: torch's default (blocking communicator creation), and non-blocking creation
-(``TORCH_NCCL_USE_COMM_NONBLOCKING=1``, NCCL's ``config.blocking = 0``).
+Cases: torch's default (blocking communicator creation) and non-blocking creation
+(``TORCH_NCCL_USE_COMM_NONBLOCKING=1``, NCCL's ``config.blocking = 0``), each with the
+watchdog's abort and with a 5 s group timeout instead.
 Exit status: 0 the probe ran (whatever it found), 1 a case failed to run, 2 no CUDA device.
 """
 
@@ -33,8 +35,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "nccl_abort_probe.json"
-CASES = {"blocking creation (torch's default)": {},
-         "non-blocking creation": {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}}
+NONBLOCKING = {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
+# name -> (environment, abort by the watchdog, the group's timeout in seconds)
+CASES = {
+    "blocking creation (torch's default), watchdog abort": ({}, True, 600),
+    "non-blocking creation, watchdog abort": (NONBLOCKING, True, 600),
+    "blocking creation, group timeout 5 s, no abort": ({}, False, 5),
+    "non-blocking creation, group timeout 5 s, no abort": (NONBLOCKING, False, 5),
+}
 
 CASE = """
 import datetime, json, os, sys, time
@@ -42,10 +50,10 @@ import torch, torch.distributed as dist
 from dynatrain.runtime.megatron.watchdog import Watchdog
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=2,
-                        timeout=datetime.timedelta(seconds=600))
+                        timeout=datetime.timedelta(seconds={timeout}))
 t0 = time.monotonic()
 print(json.dumps({{"event": "entering"}}), flush=True)
-wd = Watchdog(lambda: ["node0:gpu0", "node0:gpu1"],
+wd = Watchdog(lambda: ["node0:gpu0", "node0:gpu1"] if {abort} else [],
               lambda devices: {{"node0:gpu1"}} if time.monotonic() - t0 > {abort_at} else set(),
               poll=0.1)
 x = torch.ones(1, device="cuda")
@@ -57,7 +65,7 @@ except Exception as err:  # what a released collective raises
     outcome = f"raised {{type(err).__name__}}: {{str(err).splitlines()[0][:200]}}"
 done = time.monotonic()
 fired = wd.fired[1] if wd.fired else None
-print(json.dumps({{"event": "returned", "outcome": outcome,
+print(json.dumps({{"event": "returned", "outcome": outcome, "after_start_s": done - t0,
                   "after_abort_s": None if fired is None else done - fired}}), flush=True)
 os._exit(0)  # destructors of an aborted group may block
 """
@@ -68,10 +76,12 @@ def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
-def run_case(env: dict[str, str], abort_at: float, limit: float) -> dict:
+def run_case(env: dict[str, str], abort: bool, timeout: float, abort_at: float,
+             limit: float) -> dict:
     t0 = time.perf_counter()
+    code = CASE.format(abort=abort, abort_at=abort_at, timeout=timeout)
     try:
-        done = subprocess.run([sys.executable, "-c", CASE.format(abort_at=abort_at)], cwd=ROOT,
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
                               capture_output=True, text=True, timeout=limit,
                               env=dict(os.environ, PYTHONPATH=_pythonpath(), **env))
         out, err, code = done.stdout, done.stderr, done.returncode
@@ -81,10 +91,12 @@ def run_case(env: dict[str, str], abort_at: float, limit: float) -> dict:
         code = None
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     returned = [e for e in events if e["event"] == "returned"]
-    case = {"env": env, "seconds": time.perf_counter() - t0}
+    case = {"env": env, "abort": abort, "group_timeout_s": timeout,
+            "seconds": time.perf_counter() - t0}
     if returned:
         case.update(released=True, outcome=returned[0]["outcome"],
-                    after_abort_s=returned[0]["after_abort_s"])
+                    after_abort_s=returned[0]["after_abort_s"],
+                    after_start_s=returned[0]["after_start_s"])
     elif events:  # it entered the all-reduce and never came back
         case.update(released=False, outcome=f"still blocked when killed after {limit:.0f} s"
                     if code is None else f"exit status {code}", stderr=err[-1500:])
@@ -97,7 +109,7 @@ def run_case(env: dict[str, str], abort_at: float, limit: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--abort-at", type=float, default=2.0, help="seconds until the abort (2)")
-    ap.add_argument("--limit", type=float, default=40.0, help="seconds a case may take (40)")
+    ap.add_argument("--limit", type=float, default=25.0, help="seconds a case may take (25)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file ({DEFAULT_OUT})")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -107,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
            "python": platform.python_version(), "abort_at_s": args.abort_at,
            "limit_s": args.limit, "cases": {}}
-    for name, env in CASES.items():
-        doc["cases"][name] = case = run_case(env, args.abort_at, args.limit)
-        after = case.get("after_abort_s")
+    for name, (env, abort, timeout) in CASES.items():
+        doc["cases"][name] = case = run_case(env, abort, timeout, args.abort_at, args.limit)
+        after, start = case.get("after_abort_s"), case.get("after_start_s")
         print(f"{name}: {case['outcome']}"
-              + (f" ({after:.2f} s after the abort)" if after is not None else ""))
+              + (f" ({after:.2f} s after the abort)" if after is not None else
+                 f" ({start:.2f} s after it entered)" if start is not None else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")

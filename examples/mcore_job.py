@@ -122,6 +122,13 @@ def build_job(spec: LayoutSpec, seed: int = SEED) -> MegatronJob:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
             position_embedding_type=m.position_embedding_type, vp_stage=vp))
+    if torch.cuda.is_available():
+        # Megatron-LM's get_model moves every module to the GPU ("GPU allocation",
+        # megatron/training/training.py): megatron creates the MoE router's weight on the CPU
+        # (transformer/moe/router.py) and only the distributed optimizer's param buffer would
+        # move it; megatron's non-distributed optimizer refuses a CPU parameter.
+        for c in chunks:
+            c.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=p.use_distributed_optimizer,

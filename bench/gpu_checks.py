@@ -2,6 +2,7 @@
 
     python bench/gpu_checks.py                 # on a machine with one CUDA GPU (~5 minutes)
     python bench/gpu_checks.py --out FILE      # JSON elsewhere (default bench/results/)
+    python bench/gpu_checks.py --only one_device_switch   # some checks alone
 
 The CPU machines this project is developed on have no GPU, so these are the only runs of the
 CUDA code paths; a GPU machine runs this script and the documentation's GPU figures come from
@@ -26,7 +27,8 @@ collective whose peer died on a formed communicator, and NCCL groups made ahead 
 The GPU machine needs megatron-core and pydantic beside torch and Triton (``pip install -e .``). Without a CUDA device
 every check is reported as not run, with that reason, and the exit status is 0.
 
-Exit status: 0 every check that ran passed, 1 a check failed or ran past its time limit.
+Exit status: 0 every check that ran passed, 1 a check failed or ran past its time limit, 2 bad
+arguments.
 """
 
 from __future__ import annotations
@@ -110,22 +112,29 @@ def _bench(name: str, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON file ({DEFAULT_OUT})")
+    ap.add_argument("--only", nargs="+", metavar="CHECK",
+                    help="run these checks alone (test node ids or bench names, as listed)")
     args = ap.parse_args(argv)
+    every = [*TESTS, *BENCHES]
+    unknown = sorted(set(args.only or ()) - set(every))
+    if unknown:
+        print(f"--only: {unknown[0]} is no check of this script (one of: {', '.join(every)})",
+              file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     doc: dict = {"device": torch.cuda.get_device_name(0) if cuda else None,
                  "torch": torch.__version__, "python": platform.python_version(),
                  "checks": [], "not_checkable": dict(NOT_CHECKABLE)}
-    names = [*TESTS, *BENCHES]
+    names = [n for n in every if not args.only or n in args.only]
     if not cuda:
         doc["checks"] = [{"name": n, "kind": "test" if n in TESTS else "bench",
                           "status": "not run", "why": "no CUDA device"} for n in names]
     else:
         with tempfile.TemporaryDirectory(prefix="gpu_checks_") as tmp:
-            for node in TESTS:
-                doc["checks"].append(_test(node, Path(tmp)))
-            for name in BENCHES:
-                doc["checks"].append(_bench(name, Path(tmp)))
+            for name in names:
+                doc["checks"].append(_test(name, Path(tmp)) if name in TESTS
+                                     else _bench(name, Path(tmp)))
     doc["wall_seconds"] = time.perf_counter() - t0
     for c in doc["checks"]:
         tail = f" ({c['seconds']:.1f} s)" if "seconds" in c else f": {c['why']}"

@@ -116,6 +116,12 @@ def megatron_view(job) -> tuple[dict[str, torch.Tensor], list[float]]:
     return out, sorted(steps)
 
 
+def _rng_streams() -> list[torch.Tensor]:
+    """torch's CPU stream and, on a GPU, its CUDA stream (a build reseeds both)."""
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()]
+                                      if torch.cuda.is_available() else [])
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -150,7 +156,10 @@ def one_switch(sw: LiveSwitcher, job, src, dst, reserve: int | None) -> tuple:
     switched job and this switch's record."""
     sw.reserve_bytes = reserve
     sw.prepare(dst).result()
+    streams = _rng_streams()
     why = sw.build_ahead()  # None: built ahead; else why not (the switch builds)
+    if not all(torch.equal(x, y) for x, y in zip(streams, _rng_streams())):
+        raise Mismatch("the build ahead left torch's RNG streams changed")
     before = megatron_view(job)
     carried = (job.iteration, job.consumed_samples, job.scheduler.state_dict())
     result = sw.switch(job)

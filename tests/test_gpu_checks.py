@@ -68,3 +68,12 @@ def test_the_nccl_probe_without_cuda_says_so_in_one_line() -> None:
                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT)))
     assert run.returncode == 2
     assert run.stderr.strip() == "nccl_abort_probe: this machine has no CUDA device"
+
+
+def test_only_runs_the_checks_named_and_refuses_an_unknown_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "gpu.json"
+    assert gc.main(["--out", str(out), "--only", "one_device_switch"]) == 0
+    assert [c["name"] for c in json.loads(out.read_text())["checks"]] == ["one_device_switch"]
+    assert gc.main(["--out", str(out), "--only", "no_such_check"]) == 2
+    assert capsys.readouterr().err.startswith("--only: no_such_check is no check of this script")

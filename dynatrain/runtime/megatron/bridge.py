@@ -84,6 +84,16 @@ def _chunk_modules(model_chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Mod
     return list(unwrap_model(list(model_chunks)))
 
 
+def _job_device(model_chunks: Sequence[torch.nn.Module]) -> torch.device:
+    """Where the job's state lives (its first parameter's device). The storage tensors made
+    here (the step, zeros for state the job does not hold yet) go there too: the executor
+    copies one device's storage with one kernel table, which reads only that device."""
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
 def _bind(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module],
           optimizer: Any) -> _Bound:
     L = view.layout
@@ -352,19 +362,21 @@ def extract_state(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Mo
         >>> store = extract_state(view_of(Layout(spec)), rank, ddp_chunks, opt)  # doctest: +SKIP
     """
     b = _bind(view, rank, model_chunks, optimizer)
+    device = _job_device(model_chunks)
     for (chunk, name), (te, _) in b.fp8.items():
         if te_fp8.has_delayed_state(te):
             te_fp8.check_folded(te, name)
     store: Storage = {}
     for key, spec in storage_spec(view, rank).items():
         if key == STEP_KEY:
-            t = torch.tensor(read_step(optimizer), dtype=torch.int64)
+            t = torch.tensor(read_step(optimizer), dtype=torch.int64, device=device)
         else:
             t = _live(b, key)
             if t is None and key[0] == "buffer" and (key[2], key[3]) in b.fp8:
-                t = te_fp8.initial_tensor(b.fp8[(key[2], key[3])][1], spec.shape)  # no fp8 yet
+                t = te_fp8.initial_tensor(b.fp8[(key[2], key[3])][1], spec.shape,
+                                           device)  # no fp8 yet
             elif t is None:
-                t = torch.zeros(spec.shape, dtype=spec.dtype)
+                t = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
             elif key[0] == "buffer" and t.dtype != spec.dtype:
                 t = t.to(spec.dtype)  # expert_bias still in Float16Module's bf16: exact
             if t.numel() != math.prod(spec.shape) or t.dtype != spec.dtype:
@@ -426,9 +438,10 @@ def _writable(view: StateView, rank: int, model_chunks: Sequence[torch.nn.Module
         if not te_fp8.has_delayed_state(te):
             te_fp8.prepare_module(te)  # as TE's set_extra_state allocates them
     out: Storage = {}
+    device = _job_device(model_chunks)
     for key, spec in storage_spec(view, rank).items():
         if key == STEP_KEY:
-            out[key] = torch.zeros(spec.shape, dtype=spec.dtype)
+            out[key] = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
             continue
         if key[0] == "buffer" and (key[2], key[3]) in b.buffers:
             module, attr = b.buffers[(key[2], key[3])]

@@ -46,9 +46,11 @@ def live_tensor(module: torch.nn.Module, which: str) -> torch.Tensor | None:
     return getattr(module.fp8_meta[direction], attr)
 
 
-def initial_tensor(which: str, shape: tuple[int, ...]) -> torch.Tensor:
+def initial_tensor(which: str, shape: tuple[int, ...],
+                   device: torch.device | None = None) -> torch.Tensor:
     """What TE allocates first: scales 1, amax histories 0 (TE quantization.py:1436-1442)."""
-    return torch.ones(shape) if which.startswith("scale") else torch.zeros(shape)
+    return (torch.ones(shape, device=device) if which.startswith("scale")
+            else torch.zeros(shape, device=device))
 
 
 def prepare_module(module: torch.nn.Module) -> None:

@@ -312,5 +312,26 @@ if triton is not None:
             tl.store(dp + (d + r * ds + c), tl.load(sp + (s + r * ss + c), mask=m), mask=m)
 
 
+_WARM: set[torch.device] = set()  # devices whose kernel this process has compiled
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the table kernel for ``device`` now, once per process: one specialisation per
+    word size with 16-byte aligned pointers (every table whose sides are storages; a staging
+    region at another alignment compiles its own at first use). Called while a switch is
+    prepared, so that its first copies do not wait for Triton's compiler (0.63 s of a 0.64 s
+    exchange in the first switch of ``bench/one_device_switch.py`` on an H200). Nothing off
+    CUDA or without Triton."""
+    if device.type != "cuda" or triton is None or device in _WARM:
+        return
+    with torch.cuda.device(device):
+        buf = torch.zeros(128, dtype=torch.uint8, device=device)
+        for word in (8, 4, 2, 1):
+            table = torch.tensor([[0, 0, word, 1, word, word]], dtype=torch.int64, device=device)
+            _launch(buf[:64], buf[64:], table, word)
+        torch.cuda.synchronize(device)
+    _WARM.add(device)
+
+
 def _launch(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, word: int) -> None:
     _copy_blocks[(table.shape[0],)](src, dst, table, WORD=word, BLOCK=_BLOCK)

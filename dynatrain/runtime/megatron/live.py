@@ -95,6 +95,7 @@ from ...planner.pipeline import plan_transition
 from ...planner.slices import finish_slice, slice_pairs
 from ...planner.suggest import suggest
 from ...planner.serialize import plan_to_json
+from .. import copytable
 from ..executor import SwitchAborted, switch
 from ..headroom import check_switch_headroom, job_cuda_device
 from .bridge import bind_state, extract_state, install_step
@@ -395,6 +396,8 @@ class LiveSwitcher:
 
     def _prepare(self, src_spec: LayoutSpec, src: Layout, dst_spec: LayoutSpec,
                  generation: int | None) -> Prepared:
+        if self._cuda_device is not None:  # Triton's compile off the switch's critical path
+            copytable.warm_up(torch.device("cuda", self._cuda_device))
         dst = Layout(dst_spec)
         in_place = src.devices == dst.devices and tuple(sorted(src.devices)) == src.devices
         if not in_place and self.rendezvous is None:

@@ -15,6 +15,11 @@ whether a device of the job's current layout stopped beating for ``abort_after``
 then aborts once. ``abort_after`` should be well above ``stale_after`` (a healthy process whose
 heartbeat thread is starved for a moment must not bring the job down); Megatron-LM's own hang
 detection waits 60 s (soft) and 90 s (hard) by default.
+
+Measured on one GPU (``bench/nccl_abort_probe.py``; H200, torch 2.11, NCCL 2.28.9): a
+collective blocked in the creation of its communicator, on a peer that never came, is not
+released by the abort, nor by a 5 s group timeout, blocking or non-blocking creation alike.
+A formed communicator whose peer died needs two GPUs and has not been checked.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dynatrain.ir.loader import spec_from_dict
 from dynatrain.ir.state import StateView
 from dynatrain.runtime.exchange import Arena
 from dynatrain.planner.pipeline import plan_transition
-from dynatrain.runtime.executor import process_devices, tensor_device
+from dynatrain.runtime.executor import on_one_device, process_devices, tensor_device
 from dynatrain.runtime.storage import allocate, storage_layout
 
 TINY = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
@@ -34,6 +34,24 @@ def test_state_decides_where_the_switch_allocates() -> None:
     assert tensor_device(on_meta, None, None) == META
     assert tensor_device(None, on_meta, None) == META
     assert tensor_device(allocate(view, 1), on_meta, None) == torch.device("cpu")
+
+
+def test_a_storage_tensor_off_the_process_device_is_named() -> None:
+    """One tensor elsewhere (the CPU step of a CUDA job, found on an H200) is refused by key
+    before anything moves, not inside Triton."""
+    view = _view()
+    on_meta = allocate(view, 0, META)
+    on_one_device(META, ("source", on_meta), ("destination", None))  # all on one: passes
+    key = sorted(on_meta, key=repr)[0]
+    mixed = {k: (torch.zeros(v.shape, dtype=v.dtype) if k == key else v)
+             for k, v in on_meta.items()}
+    try:
+        on_one_device(META, ("source", on_meta), ("destination", mixed))
+    except ValueError as err:
+        assert str(err).startswith(f"destination storage {key} is on cpu, the rest of this "
+                                   "process's storage on meta"), err
+    else:
+        raise AssertionError("a CPU tensor among meta storage passed")
 
 
 def test_staging_arena_lives_on_the_state_device() -> None:

@@ -250,6 +250,7 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     arena = Arena(on, planned_peak_staging(plan, device))
     try:
         me = _bind(plan, src_view, dst_view, device, src_store, pg, devices)
+        on_one_device(on, ("source", src_store), ("destination", dst_store))
         pg.set_timeout(td)  # gloo collectives block their worker thread up to this long
         before = checksums(src_store) if verify_source and src_store is not None else None
         dst = _destination(dst_view, me, dst_store, on)
@@ -350,6 +351,18 @@ def tensor_device(src_store: Mapping[tuple, torch.Tensor] | None,
     if dist.get_backend(pg) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def on_one_device(on: torch.device, *stores: tuple[str, Mapping | None]) -> None:
+    """Every storage tensor of this process on ``on``: a device's copies run as one kernel
+    table, and its staging sits beside its state (a CUDA job's state with one CPU tensor
+    would otherwise fail inside Triton, naming a pointer, not the tensor)."""
+    for what, store in stores:
+        for key, t in (store or {}).items():
+            if t.device != on:
+                raise ValueError(f"{what} storage {key} is on {t.device}, the rest of this "
+                                 f"process's storage on {on}: a process's storage must sit on "
+                                 "one device")
 
 
 def _destination(view: StateView, me: "_Me", given: Storage | None,

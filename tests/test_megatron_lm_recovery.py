@@ -3,9 +3,11 @@ and the job trains on without a restart.
 
 Four gloo processes ("two nodes of two GPUs") train a tiny GPT in TP2 DP2 with the distributed
 optimizer (each optimizer shard exists once), saving a ``torch_dist`` checkpoint every two
-iterations. In the forward pass of iteration 5 (or 6) both processes of node1 are killed with
-everything they started (SIGKILL). The survivors, blocked in the gradient reduce-scatter with
-them, get the error out of ``train()``; DynaTrain's driver recovers live on node0 (the
+iterations. In the forward pass of iteration 5 both processes of node1 are killed with
+everything they started (SIGKILL); in iteration 6 they are stopped instead (SIGSTOP: a hung
+node, its sockets open, released only by the groups' timeout: ``LiveOptions(
+collective_timeout=10)`` against Megatron-LM's 30 minutes). The survivors, blocked in the
+gradient reduce-scatter with them, get the error out of ``train()``; DynaTrain's driver recovers live on node0 (the
 survivors agree who is gone, switch to the top layout of ``suggest`` on the devices left and
 read exactly the lost optimizer shards from the checkpoint of iteration 4, the step they hold;
 or, a step past it, roll back in place to it) and enters ``train()`` again. Oracle: Megatron-LM's
@@ -17,8 +19,11 @@ lost state ends every survivor with one line and exit status 3.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
+import re
+import signal
 
 import pytest
 
@@ -38,22 +43,33 @@ CKPT_AT = 4  # the newest checkpoint when node1 dies (saved every two iterations
 OPTIONS = LiveOptions(requests=False, gpus_per_node=2, timeout=60, heartbeat=0.5)
 
 
-# (iteration in whose forward pass node1 dies (0-based), how the survivors go on): in
+# (iteration in whose forward pass node1 dies (0-based), how, how the survivors go on): in
 # iteration 5 they hold the checkpoint's step and refill the lost shards from it; in iteration
 # 6 they hold step 5, the checkpoint step 4: every survivor rolls back in place to it and
-# trains iteration 5 again.
-@pytest.mark.parametrize("dies_at, mode", [(4, "refill"), (5, "rollback")])
-def test_a_node_dies_inside_train_and_the_job_trains_on(tmp_path, capfd, dies_at, mode):
+# trains iteration 5 again. The stopped node is released by a 10 s collective timeout: with
+# Megatron-LM's --distributed-timeout-minutes 30 alone the run would outlast the test's limit.
+@pytest.mark.parametrize("dies_at, how, mode", [
+    pytest.param(4, signal.SIGKILL, "refill", id="killed-refill"),
+    pytest.param(5, signal.SIGSTOP, "rollback", id="stopped-rollback")])
+def test_a_node_dies_inside_train_and_the_job_trains_on(tmp_path, capfd, dies_at, how, mode):
     ckpt = str(tmp_path / "ckpt")
+    options, extra = OPTIONS, ()
+    if how == signal.SIGSTOP:
+        options = dataclasses.replace(OPTIONS, collective_timeout=10.0)
+        extra = ("--distributed-timeout-minutes", "30")
     live = lm.run_pretrain(
-        lm.argv(tp=2, iters=ITERS, extra=BASE + ("--save", ckpt, "--save-interval", "2")),
-        world=4, timeout=600, die={2: dies_at, 3: dies_at}, options=OPTIONS)
+        lm.argv(tp=2, iters=ITERS, extra=BASE + extra + ("--save", ckpt, "--save-interval", "2")),
+        world=4, timeout=600, die={2: dies_at, 3: dies_at}, how=how, options=options)
     assert live[2] is None and live[3] is None
     line = [x for x in capfd.readouterr().out.splitlines() if x.startswith("dynatrain: ")]
     assert line and line[0].startswith("dynatrain: node1:gpu0, node1:gpu1 failed (") and \
         f"recovered by {mode} on 2 devices" in line[0] and \
-        f"training on from iteration {CKPT_AT}; downtime " in line[0] and \
+        f"training on from iteration {CKPT_AT}; the error came " in line[0] and \
+        "; downtime from the error " in line[0] and \
         ("reload" if mode == "rollback" else "refill") in line[0], line
+    stalled = float(re.search(r"the error came ([0-9.]+) s after", line[0]).group(1))
+    if how == signal.SIGSTOP:  # released by the 10 s collective timeout, not by a death
+        assert 10.0 <= stalled < 60.0, line[0]
     survivors = live[:2]
     for rec in survivors:
         assert rec.iteration == ITERS
@@ -84,3 +100,14 @@ def test_state_lost_without_a_checkpoint_ends_with_one_line_and_status_3(capfd):
     assert "SystemExit: 3" in str(err.value), str(err.value)[:500]
     lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("dynatrain: ")]
     assert lines and all("recovery failed" in x and "lost" in x for x in lines), lines
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "10", float("nan")])
+def test_a_collective_timeout_that_is_no_number_of_seconds_is_one_line(bad):
+    from dynatrain.ir.errors import DynatrainError
+    from dynatrain.runtime.megatron.lm import seconds_option
+
+    with pytest.raises(DynatrainError, match=r"^collective_timeout: seconds > 0 \(got "):
+        seconds_option("collective_timeout", bad)
+    assert seconds_option("collective_timeout", 10) == 10.0
+    assert seconds_option("collective_timeout", None) is None

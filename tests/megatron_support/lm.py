@@ -239,14 +239,14 @@ def _refuse_carried_scheduler_once() -> None:
     OptimizerParamScheduler.load_state_dict = refuse
 
 
-def _dying(forward: Any, iteration: int) -> Any:
-    """``forward`` that kills this process and everything it started (its process group: a
-    node that dies takes its checkpoint writers with it) in iteration ``iteration + 1``'s
-    forward pass."""
+def _dying(forward: Any, iteration: int, how: int = signal.SIGKILL) -> Any:
+    """``forward`` that kills (``how``: SIGKILL) or stops (SIGSTOP: a hung node, its sockets
+    open) this process and everything it started (its process group: a node that dies takes
+    its checkpoint writers with it) in iteration ``iteration + 1``'s forward pass."""
 
     def forward_step(data_iterator, model):
         if get_args().curr_iteration == iteration:
-            os.killpg(os.getpgrp(), signal.SIGKILL)
+            os.killpg(os.getpgrp(), how)
         return forward(data_iterator, model)
 
     return forward_step
@@ -254,7 +254,7 @@ def _dying(forward: Any, iteration: int) -> Any:
 
 def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any = None,
             fail_carry: int | None = None, tag: str = "rank", env: dict | None = None,
-            die_at: int | None = None) -> None:
+            die_at: int | None = None, how: int = signal.SIGKILL) -> None:
     os.setpgrp()  # the launcher ends this process and any it started (checkpoint writers, Manager)
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -267,7 +267,7 @@ def _worker(rank: int, world: int, argv_: list[str], tmpdir: str, options: Any =
         held = _instrument(rec)
         store = torch.distributed.FileStore(os.path.join(tmpdir, f"store-{tag}"), world)
         sys.argv = ["pretrain_gpt.py", *argv_]
-        step = forward_step if die_at is None else _dying(forward_step, die_at)
+        step = forward_step if die_at is None else _dying(forward_step, die_at, how)
         with megatron_lm_cpu(force=True):
             args = parse_and_validate_args()
             cfg = pretrain_cfg_container_from_args(args)
@@ -296,7 +296,8 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
                  options: Any = None, fail_carry: int | None = None,
                  started: Any = None, joiners: int = 0,
                  join_env: dict | None = None,
-                 die: dict[int, int] | None = None) -> list[Record | None]:
+                 die: dict[int, int] | None = None,
+                 how: int = signal.SIGKILL) -> list[Record | None]:
     """Run Megatron-LM's ``pretrain`` with ``argv_`` in ``world`` forked gloo processes (not
     daemonic: the dist-checkpoint writer starts processes of its own); one Record per rank.
     With ``options`` (``dynatrain.megatron_lm.LiveOptions``) DynaTrain's ``pretrain`` runs
@@ -305,8 +306,8 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
     waiting on it forever). ``joiners`` more processes start as a replacement node launched
     apart (ranks 0.. of a world of their own, their own store, ``join_env`` added to their
     environment); their Records follow the job's. ``die``: rank -> the iteration (0-based)
-    in whose forward pass that rank is killed with everything it started (SIGKILL); its
-    Record is None."""
+    in whose forward pass that rank is killed with everything it started (``how``: SIGKILL),
+    or stopped (SIGSTOP: killed once the others are done); its Record is None."""
     die = dict(die or {})
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="mlm_loop_") as tmpdir:
@@ -314,7 +315,7 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
         procs = [ctx.Process(target=_worker, args=(
             r, world if tag == "rank" else joiners, argv_, tmpdir, options,
             fail_carry if tag == "rank" else None, tag, None if tag == "rank" else join_env,
-            die.get(r) if tag == "rank" else None))
+            die.get(r) if tag == "rank" else None, how))
             for tag, r in names]
         killed = {i for i, (tag, r) in enumerate(names) if tag == "rank" and r in die}
         for p in procs:
@@ -324,12 +325,14 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
         deadline = time.monotonic() + timeout
         try:
             # Stop at the first failure: the other ranks would wait in a collective.
-            # (The ranks killed on purpose are expected to end by SIGKILL.)
-            while time.monotonic() < deadline and any(p.exitcode is None for p in procs) \
+            # (The ranks killed on purpose are expected to end by SIGKILL; stopped ones never
+            # end by themselves.)
+            while time.monotonic() < deadline and \
+                    any(p.exitcode is None for i, p in enumerate(procs) if i not in killed) \
                     and not any(p.exitcode for i, p in enumerate(procs) if i not in killed):
                 procs[0].join(0.5)
             failed = [i for i, p in enumerate(procs) if p.exitcode != 0
-                      and not (i in killed and p.exitcode == -signal.SIGKILL)]
+                      and not (i in killed and p.exitcode in (-signal.SIGKILL, None))]
         finally:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):

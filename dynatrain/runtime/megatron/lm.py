@@ -46,6 +46,7 @@ import inspect
 import os
 import random
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,12 @@ class LiveOptions:
             seconds, a watchdog aborts this process's communicators so that collectives blocked
             on it raise at once instead of at ``--distributed-timeout-minutes``
             (``LiveSwitcher(abort_after=...)``; gloo cannot abort: its group timeout releases).
+        collective_timeout: seconds after which a collective of the job's process groups
+            gives up on a member that stopped answering (on gloo, which cannot abort a
+            collective, what releases the survivors; the roll call then waits this long for a
+            survivor still blocked). Megatron-LM's groups, made with
+            ``--distributed-timeout-minutes`` (whole minutes), get it once they exist, and every
+            layout a switch or recovery builds is made with it. None: Megatron-LM's.
     """
 
     schedule: Mapping[int, LayoutSpec | str | Mapping[str, Any]] = field(default_factory=dict)
@@ -123,6 +130,7 @@ class LiveOptions:
     heartbeat: float = 1.0
     stale_after: float | None = None
     abort_after: float | None = None
+    collective_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,7 @@ class _Driver:
         self.stepped: tuple[int, int, float] = (0, 0, 0.0)
         self.segment_end = False  # the train_step wrapper ended this segment for a switch
         self.control: LiveControl | None = None
+        self.progress = time.monotonic()  # when a train_step last began or ended
 
     # ---- Megatron-LM's startup pieces, for a layout --------------------------------------------
 
@@ -233,7 +242,9 @@ class _Driver:
             use_sharp=args.use_sharp,
             hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
             hybrid_context_parallel=getattr(args, "hybrid_context_parallel", False),
-            distributed_timeout_minutes=args.distributed_timeout_minutes,
+            distributed_timeout_minutes=(args.distributed_timeout_minutes
+                                         if self.options.collective_timeout is None
+                                         else self.options.collective_timeout / 60),
             nccl_communicator_config_path=args.nccl_communicator_config_path,
             get_embedding_ranks=a.get("get_embedding_ranks"),
             get_position_embedding_ranks=a.get("get_position_embedding_ranks"),
@@ -398,6 +409,9 @@ class _Driver:
                             store=c.get("store"))
         args = get_args()
         self._refuse_unsupported(args)
+        bound = seconds_option("collective_timeout", self.options.collective_timeout)
+        if bound is not None:
+            bound_groups(bound)
         mt.set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
         self.target = args.train_iters
         gpus = self.options.gpus_per_node or _env_int("LOCAL_WORLD_SIZE", 1)
@@ -487,6 +501,7 @@ class _Driver:
 
         real_step = mt.train_step
         mt.train_step = self._step_wrapper(real_step)
+        self.progress = time.monotonic()
         try:
             job = self._train(job, sw, get_timers())
         finally:
@@ -501,7 +516,9 @@ class _Driver:
         def train_step(*a: Any, **k: Any) -> Any:
             from megatron.training import get_args
 
+            self.progress = time.monotonic()  # a failure's error comes some time after this
             out = real(*a, **k)
+            self.progress = time.monotonic()
             args = get_args()
             self._stepped(args)
             if self.control.due(args.curr_iteration + 1):  # the boundary after this step
@@ -609,6 +626,10 @@ class _Driver:
 
         if not self.options.recover:
             raise err
+        # From the job's last progress (a step began or ended) to this error: the work until
+        # the failure plus the wait until the blocked collective gave up (a hung peer: the
+        # groups' timeout). Not part of the recovery's downtime, which starts here.
+        stalled = time.monotonic() - self.progress
         args = get_args()
         # What train() left mid-iteration: its timers still running, and the rerun state
         # machine inside a forward-backward run (its next should_run_forward_backward would
@@ -639,7 +660,9 @@ class _Driver:
             phases = ", ".join(f"{k} {v:.2f}" for k, v in result.phases().items())
             print(f"dynatrain: {', '.join(r['failed'])} failed ({why}); recovered by "
                   f"{r['mode']} on {len(r['devices'])} devices ({r['dst']}), training on from "
-                  f"iteration {result.job.iteration}; downtime "
+                  f"iteration {result.job.iteration}; the error came {stalled:.2f} s after "
+                  "the job's last progress (work until the failure, then the wait for a "
+                  f"collective to give up); downtime from the error "
                   f"{result.seconds.get('downtime', 0.0):.2f} s on this process ({phases} s)",
                   flush=True)
         return result.job
@@ -694,3 +717,38 @@ def drive(args: tuple, kwargs: dict, options: LiveOptions, verify: Verifier,
         raise DynatrainError(f"pretrain: {err}") from None
     bound.apply_defaults()
     _Driver(dict(bound.arguments), options, verify, checkpoints).run()
+
+
+def seconds_option(name: str, value: Any) -> float | None:
+    """A ``LiveOptions`` field of seconds: None, or a number > 0 (else one line naming it)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise DynatrainError(f"{name}: seconds > 0 (got {value!r})")
+    return float(value)
+
+
+def bound_groups(seconds: float) -> int:
+    """Give every process group of this process that megatron's parallel state holds, and the
+    default group, the timeout ``seconds`` (Megatron-LM made them with whole minutes);
+    the number of groups."""
+    from megatron.core import parallel_state as ps
+
+    groups: dict[int, dist.ProcessGroup] = {}
+
+    def visit(x: Any) -> None:
+        if isinstance(x, dist.ProcessGroup):
+            groups[id(x)] = x
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+
+    for value in list(vars(ps).values()):
+        visit(value)
+    visit(dist.group.WORLD)
+    for pg in groups.values():
+        pg.set_timeout(datetime.timedelta(seconds=seconds))
+    return len(groups)

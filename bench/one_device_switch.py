@@ -1,4 +1,4 @@
-"""A live switch of a real megatron-core job on one device, checked against megatron's reload.
+"""A live switch of a real megatron-core job on one device, checked against megatron's own view.
 
     python bench/one_device_switch.py                  # CUDA if there is a GPU, else CPU (gloo)
     python bench/one_device_switch.py --device cpu     # CPU under the CPU shim, even with a GPU
@@ -16,16 +16,19 @@ that moves every optimizer byte between megatron's bucket space and its per-para
 * Switch 2 keeps the default reserve (the CUDA allocator's peak above what the job holds at the
   boundary): built ahead.
 
-Each switch is checked against megatron itself: at the boundary the source job is saved with
-megatron's ``dist_checkpointing`` and, after the switch, loaded into a fresh destination job;
-megatron's own ``sharded_state_dict`` of the two (model and fully reshardable optimizer, as
-whole tensors; every element covered) must be equal bit for bit, then again after one more
-iteration of each, with equal losses. The switched job trains on. The table gives each switch's
-downtime by phase (this process's; one process has nobody to wait for).
+Each switch is checked against megatron itself: megatron's own ``sharded_state_dict`` of the
+switched job (model and fully reshardable optimizer, as whole tensors, every element covered;
+the optimizer steps) must equal the source job's at the boundary bit for bit, the main params'
+key renamed (the two optimizers name it differently). The iteration, samples and scheduler
+state must be carried, and a build ahead must leave torch's RNG streams as they were. The
+switched job trains on, and the run's losses must equal, bit for bit, those of a fresh job of
+the first layout trained as long without switching (on a GPU with deterministic kernels). The
+table gives each switch's downtime by phase (this process's; one process has nobody to wait
+for).
 
 On a GPU it is one of ``bench/gpu_checks.py``'s checks (the CUDA allocator's free-memory check
 of a build ahead, megatron on CUDA, the exchange over NCCL); on the CPU the test suite runs it.
-Exit status: 0 both switches equal megatron's reload, 1 they do not, 2 bad arguments.
+Exit status: 0 every check held, 1 one did not (one line says which), 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ MAIN_PARAM = {True: "optimizer.state.param.", False: "optimizer.state.fp32_param
 
 
 class Mismatch(AssertionError):
-    """The switched job differs from megatron's reload."""
+    """The switched job differs from what megatron or the run without switches says."""
 
 
 def megatron_view(job) -> tuple[dict[str, torch.Tensor], list[float]]:

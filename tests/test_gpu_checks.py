@@ -77,3 +77,13 @@ def test_only_runs_the_checks_named_and_refuses_an_unknown_one(tmp_path, monkeyp
     assert [c["name"] for c in json.loads(out.read_text())["checks"]] == ["one_device_switch"]
     assert gc.main(["--out", str(out), "--only", "no_such_check"]) == 2
     assert capsys.readouterr().err.startswith("--only: no_such_check is no check of this script")
+
+
+def test_the_one_device_switch_asked_for_cuda_without_it_says_so_in_one_line() -> None:
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "one_device_switch.py"),
+                          "--device", "cuda"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES="",
+                                            PYTHONPATH=str(ROOT)))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == ("--device cuda: this machine has no CUDA "
+                                                   "device"), run.stderr[-500:]

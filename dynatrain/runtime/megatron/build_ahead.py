@@ -45,7 +45,6 @@ from .groups_ahead import _new_group_is, _restore, _snapshot
 from .groups_ahead import resync as resync_groups
 from .job import (MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, first_line,
                   parallel_kwargs, where_failed)
-from .world import WorldSwitch
 
 if TYPE_CHECKING:
     from .live import LiveSwitcher
@@ -265,13 +264,8 @@ def switch_built(sw: LiveSwitcher, job: MegatronJob, prep: Prepared, src: dict,
                              dst_store=built.storage)
     except SwitchAborted as err:
         built = None  # free the destination job before going back
-        if not err.group_destroyed:
-            raise SwitchFailed(f"{err}; the job trains on", job) from err
-        if sw.rendezvous is None or prep.generation is None:
-            raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
-                               "formed again: restart from a checkpoint", None) from err
-        world = WorldSwitch(sw, prep, sw.device, sw.rendezvous)
-        world.roll_back(job, scheduler, err, saved)  # raises SwitchFailed, rebuilt job
+        # The source's parallel state was never replaced: nothing to put back first.
+        sw._aborted(err, prep, job, scheduler, saved, back_to_source=False)
     del src
     t.append(time.perf_counter())
     new, failure = built.job, None

@@ -81,6 +81,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -612,14 +613,7 @@ class LiveSwitcher:
                                  dst_store=dst)
         except SwitchAborted as err:
             new = dst = None  # free the destination job before going back
-            if not err.group_destroyed:
-                self._back_to_source(saved, job)
-                raise SwitchFailed(f"{err}; the job trains on", job) from err
-            if self.rendezvous is None or prep.generation is None:
-                raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
-                                   "formed again: restart from a checkpoint", None) from err
-            world = WorldSwitch(self, prep, self.device, self.rendezvous)
-            world.roll_back(job, scheduler, err, saved)  # raises SwitchFailed, rebuilt job
+            self._aborted(err, prep, job, scheduler, saved, back_to_source=True)
         del src
         t.append(time.perf_counter())
         # Everything that can still fail happens before the commit vote: the source job was
@@ -657,6 +651,22 @@ class LiveSwitcher:
             flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(int(flag.item()))
+
+    def _aborted(self, err: SwitchAborted, prep: Prepared, job: MegatronJob, scheduler: dict,
+                 saved: object, back_to_source: bool) -> NoReturn:
+        """An in-place switch's exchange aborted: raise ``SwitchFailed`` with the job to train
+        on. Its group intact, the source job as it is (``back_to_source``: megatron's parallel
+        state of the source first); its group destroyed, the job rebuilt in new groups
+        (``WorldSwitch.roll_back``), or, without a rendezvous to form them, none."""
+        if not err.group_destroyed:
+            if back_to_source:
+                self._back_to_source(saved, job)
+            raise SwitchFailed(f"{err}; the job trains on", job) from err
+        if self.rendezvous is None or prep.generation is None:
+            raise SwitchFailed(f"{err}; without a rendezvous the job's groups cannot be "
+                               "formed again: restart from a checkpoint", None) from err
+        world = WorldSwitch(self, prep, self.device, self.rendezvous)
+        world.roll_back(job, scheduler, err, saved)  # raises SwitchFailed, rebuilt job
 
     def _back_to_source(self, saved: object = None, job: MegatronJob | None = None) -> None:
         """Megatron's parallel state of the source layout again (every process together), and

@@ -6,7 +6,7 @@ state. ``LiveSwitcher`` (``live.py``) drives it; the protocol is described there
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ...ir.errors import DynatrainError
 from ...ir.layout import Layout
@@ -154,7 +154,7 @@ class WorldSwitch:
         return new
 
     def roll_back(self, job: MegatronJob | None, carry: dict, cause: BaseException,
-                  saved: object = None) -> None:
+                  saved: object = None) -> NoReturn:
         """Back to the source layout, then raise ``SwitchFailed``: on a source process, form
         the source's group again and rebuild the job from the old job's intact state; then
         what the switcher's ``global_state`` saved before the switch is restored."""

@@ -132,6 +132,28 @@ def test_a_death_in_each_phase_of_the_step_is_refilled_or_rolled_back_exactly() 
         _assert_equal_to_reload(phase, e)
 
 
+def test_a_death_in_a_switchs_exchange_is_recovered_from_the_intact_sources() -> None:
+    """DP4 switching in place to TP2·DP2 loses node0:gpu3 as the exchange begins. Every
+    survivor's switch fails: its vote gives up within the switch's timeout (a gloo collective
+    whose dead member is not a ring neighbour waits that long), and the source layout cannot be
+    formed again without node0:gpu3, known at once from its stopped heartbeat rather than after
+    another timeout. Their source state intact, the survivors recover: the lost shard refilled
+    from the checkpoint of their step, bit for bit megatron's reload of it."""
+    base = case("switch-death", 4, **MODEL)
+    devices = DEV
+    with tempfile.TemporaryDirectory(prefix="live_switch_death_") as ckpt:
+        fns = {d: fl.switch_worker(base, d, devices, devices[3], ckpt, 12, TIMEOUT, COLLECTIVE)
+               for d in devices}
+        got = elastic.run_processes(fns, may_die=(devices[3],), timeout=300.0)
+    assert sorted(got) == devices[:3]
+    for d, r in got.items():
+        assert "could not be formed again" in r["switch"] and "gone" in r["switch"], (d, r)
+        assert not r["kept"] and r["failed_after_s"] < TIMEOUT + 10, (d, r)
+        assert r["recovery"]["failed"] == [devices[3]], (d, r["recovery"])
+        assert r["recovery"]["mode"] == "refill" and r["recovery"]["iteration"] == 1, r
+        _assert_equal_to_reload(d, r)
+
+
 def test_a_death_during_a_checkpoint_save_leaves_a_checkpoint_that_is_refused() -> None:
     """DP3 loses node0:gpu2 while saving the checkpoint of iteration 2: the half-written
     checkpoint is refused on both survivors (exit status 2, job kept), and they roll back to

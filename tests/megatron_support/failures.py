@@ -238,6 +238,45 @@ def phases_worker(base: dict, device: str, devices: list[str], victims: list[tup
     return fn
 
 
+def switch_worker(base: dict, device: str, devices: list[str], victim: str, ckpt_dir: str,
+                  global_batch: int, timeout: float, collective: float):
+    """A DistributedOptimizer job checkpoints iteration 1, prepares an in-place switch to TP2
+    on the same devices, and ``victim`` dies (SIGKILL) as the switch's exchange begins. The
+    survivors' switch fails: the group is gone and the source layout cannot be formed again
+    without the dead device (they find that from its heartbeat, not at the timeout). Their
+    source state is intact: they ``recover`` from it, refilling the lost shard from the
+    checkpoint of their very step."""
+    def fn(store) -> dict:
+        from dynatrain.runtime import executor
+        from dynatrain.runtime.megatron import SwitchFailed
+
+        tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective,
+                             refill=rec.refill, train_state=train_state)
+        tr.step(job)
+        ck = os.path.join(ckpt_dir, "it1")
+        tr.save(job, ck)
+        sw.prepare(rec.spec_on(base, "tp2", devices, tp=2)).result()
+        if device == victim:
+            def die(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            executor._run_rounds = die
+        out: dict = {}
+        t0 = time.monotonic()
+        try:
+            sw.switch(job)
+            out["switch"] = "committed"
+        except SwitchFailed as err:
+            out["switch"], out["kept"] = str(err).splitlines()[0], err.job is not None
+        out["failed_after_s"] = time.monotonic() - t0
+        res = sw.recover(job, checkpoint=ck)
+        out.update(rec._checked(tr, sw, res, ck))
+        sw.close()
+        return out
+
+    return fn
+
+
 def save_worker(base: dict, device: str, devices: list[str], victim: str, ckpt_dir: str,
                 global_batch: int, timeout: float, collective: float):
     """A DistributedOptimizer job checkpoints iteration 1, trains iteration 2, and ``victim``

@@ -78,6 +78,7 @@ import hashlib
 import json
 import os
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import replace
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -238,6 +239,9 @@ class LiveSwitcher:
         self._watch: int | None = None  # a spare's next announcement to look at
         self.refill, self.train_state = refill, train_state
         self.check_seconds: float | None = None  # the last switch's check_job, for reports
+        # The job the last switch checked (``check_job``), while it lives: a recovery after
+        # that switch failed need not check it again.
+        self.checked: weakref.ref | None = None
         self.groups_taken = 0  # megatron groups the last in-place switch took ready-made
         self._heartbeat = self.liveness = None
         if heartbeat is not None:
@@ -515,6 +519,7 @@ class LiveSwitcher:
             # describe is refused here, on every process (agreed below), before bytes move.
             t0 = time.perf_counter()
             check_job(self.layout, self.rank, job.model_chunks, job.optimizer)
+            self.checked = weakref.ref(job)
             self.check_seconds = time.perf_counter() - t0
             src_view, _ = transition_views(self.layout, prep.dst)
             src = extract_state(src_view, self.rank, job.model_chunks, job.optimizer)

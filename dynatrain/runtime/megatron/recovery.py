@@ -336,8 +336,15 @@ class Recovery:
         src_store = None
         if mode != "rollback":  # a rollback moves nothing: it reloads everything
             # The job must run what its spec says (no collective: safe with broken groups).
-            check_job(src, src.devices.index(self.me), self.job.model_chunks,
-                      self.job.optimizer)
+            # megatron's sharded_state_dict, which it reads, needs megatron's parallel state;
+            # a switch that failed past its exchange and could not form the source layout
+            # again (a device died) leaves none, and checked this very job as it began.
+            from megatron.core import parallel_state as ps
+
+            checked = sw.checked() if sw.checked is not None else None
+            if ps.model_parallel_is_initialized() or checked is not self.job:
+                check_job(src, src.devices.index(self.me), self.job.model_chunks,
+                          self.job.optimizer)
             src_store = extract_state(src_view, src.devices.index(self.me),
                                       self.job.model_chunks, self.job.optimizer)
         doc = plan_to_json(plan)

@@ -109,16 +109,19 @@ class Rendezvous:
 
     # ---- process groups ----------------------------------------------------------------------
 
-    def form(self, name: str, devices: Sequence[str], device: str) -> None:
+    def form(self, name: str, devices: Sequence[str], device: str, dead=None) -> None:
         """Make the default process group exactly the processes of ``devices``.
 
         Every process of ``devices`` calls it with the same ``name`` (fresh for each group);
         this process becomes rank ``devices.index(device)``. A default group this process
-        had is destroyed first (with every group made from it).
+        had is destroyed first (with every group made from it). ``dead()`` (a callable
+        returning a set of devices, e.g. those whose heartbeat stopped) ends the wait early
+        once a device still missing is in it: the group cannot be formed without it.
 
         Raises:
             ValueError: ``device`` is not in ``devices``.
-            RendezvousTimeout: some of ``devices`` did not arrive within the timeout (named).
+            RendezvousTimeout: some of ``devices`` did not arrive within the timeout, or are
+                dead (named).
         """
         if device not in devices:
             raise ValueError(f"{device} is not one of the {len(devices)} devices of group "
@@ -128,8 +131,15 @@ class Rendezvous:
         self.store.set_timeout(td)
         # torch's own store barrier says how many are missing, not who: meet here first.
         self.store.set(f"arrived/{name}/{device}", "1")
-        self._all(f"forming group {name!r}", [f"arrived/{name}/{d}" for d in devices],
-                  list(devices), self.timeout)
+        keys = [f"arrived/{name}/{d}" for d in devices]
+        self._all(f"forming group {name!r}", keys, list(devices), self.timeout, dead=dead,
+                  any_dead=True)
+        missing = [d for k, d in zip(keys, devices) if not self.store.check([k])]
+        if missing:  # only with ``dead``: one that will never come ends the wait
+            gone = sorted(set(missing) & set(dead()), key=list(devices).index) or missing
+            raise RendezvousTimeout(f"forming group {name!r}: {_names(gone)} "
+                                    f"{'is' if len(gone) == 1 else 'are'} gone (no heartbeat)",
+                                    gone)
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{name}/", self.store),
                                 rank=list(devices).index(device), world_size=len(devices),
                                 timeout=td,
@@ -184,9 +194,9 @@ class Rendezvous:
             pause = min(pause * 2, poll)
 
     def _all(self, what: str, keys: Sequence[str], devices: Sequence[str],
-             timeout: float, poll: float = 0.05, dead=None) -> None:
+             timeout: float, poll: float = 0.05, dead=None, any_dead: bool = False) -> None:
         """Wait until every key of ``keys`` (posted by ``devices``, in order) exists, or (with
-        ``dead``) every device still missing is dead."""
+        ``dead``) every device still missing is dead (``any_dead``: one of them is)."""
         deadline = time.monotonic() + timeout
         waiting = _Waiting(what, timeout)
         pause = 0.001
@@ -194,7 +204,8 @@ class Rendezvous:
             now = time.monotonic()
             if now > deadline or waiting.due(now) or dead is not None:
                 missing = [d for k, d in zip(keys, devices) if not self.store.check([k])]
-                if not missing or (dead is not None and set(missing) <= set(dead())):
+                gone = set(missing) & set(dead()) if dead is not None else set()
+                if not missing or (gone and (any_dead or gone == set(missing))):
                     return
                 if now > deadline:
                     raise RendezvousTimeout(f"{what}: {len(missing)} of {len(devices)} "

@@ -168,7 +168,9 @@ class WorldSwitch:
                 sw.global_state.restore(saved)
             raise SwitchFailed(f"{what}; this process runs no source rank", None) from cause
         try:
-            self.rdzv.form(f"g{g}/rollback", self.src.devices, self.device)
+            live = sw.liveness  # a source device that died cannot come: fail at once
+            self.rdzv.form(f"g{g}/rollback", self.src.devices, self.device,
+                           dead=(lambda: live.stale(self.src.devices)) if live else None)
             ps.initialize_model_parallel(**parallel_kwargs(self.src_spec), **sw.init_kwargs)
             te_fp8.forget_groups()
             restored = sw.build(self.src_spec)
@@ -180,7 +182,8 @@ class WorldSwitch:
                 sw.global_state.restore(saved)
         except Exception as err:  # noqa: BLE001
             raise SwitchFailed(f"{what}, and the source layout could not be formed again "
-                               f"({_why(err)}): restart from a checkpoint", None) from cause
+                               f"({_why(err)}): recover on the survivors (their source state "
+                               "is intact) or restart from a checkpoint", None) from cause
         if self.src_rank == 0:
             self.rdzv.post(f"done/{g}", {"outcome": "rolled back"})
         raise SwitchFailed(f"{what}; rolled back: the job trains on in the source layout, "

@@ -33,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_checks import _pythonpath  # noqa: E402  (this checkout first, then carried packages)
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "nccl_abort_probe.json"
 NONBLOCKING = {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
@@ -69,11 +72,6 @@ print(json.dumps({{"event": "returned", "outcome": outcome, "after_start_s": don
                   "after_abort_s": None if fired is None else done - fired}}), flush=True)
 os._exit(0)  # destructors of an aborted group may block
 """
-
-
-def _pythonpath() -> str:
-    """This checkout first, then whatever the caller's PYTHONPATH holds (carried packages)."""
-    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def run_case(env: dict[str, str], abort: bool, timeout: float, abort_at: float,

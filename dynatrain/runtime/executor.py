@@ -203,7 +203,9 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
            destroy_group_on_abort: bool = True, verify_source: bool = False,
            on_round: Callable[[int], None] | None = None,
            dst_store: Storage | None = None,
-           check_transfers: bool = False) -> tuple[Storage | None, dict]:
+           check_transfers: bool = False,
+           fill: Callable[[Storage | None, dist.ProcessGroup, tuple[str, ...], torch.device],
+                          object] | None = None) -> tuple[Storage | None, dict]:
     """Run ``plan`` on this process; every process of the switch calls it.
 
     Args:
@@ -228,6 +230,11 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
             at its destination with one taken at its source (``fingerprint.py``: every moved
             byte is read once more on each end, then one all-reduce) and vote failure on any
             difference. Every process of the switch must pass the same value.
+        fill: called on every process after the last round, before the params are derived,
+            with (this process's destination storage or None, the group, the processes in
+            group rank order, the tensor device): writes state that comes from outside the
+            plan's sources (a recovery's buddy copies, ``megatron.buddy.run_fill``). A failure
+            in it aborts the switch like a failed round.
 
     Returns:
         (destination storage, or None if the device is not a destination device; the report
@@ -268,6 +275,9 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
                               arena, grouped, first_round)
         setup_seconds = first_round[0] - t_start
         where.round = None
+        if fill is not None:
+            where.phase = "fill"
+            fill(dst, pg, devices, on)
         t = time.perf_counter()
         derive = (0, 0, 0)
         if plan.derived:

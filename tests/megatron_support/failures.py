@@ -376,3 +376,57 @@ def store_notice_worker(base: dict, device: str, devices: list[str], port: int,
                 "devices": list(sw.layout.devices)}
 
     return fn
+
+
+def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tuple],
+                 ckpt_dir: str, global_batch: int, timeout: float, collective: float,
+                 plant: str | None = None):
+    """A DistributedOptimizer job with one optimizer instance and buddy copies
+    (``LiveSwitcher(buddy=True)``, ``snapshot`` after every step) loses, per entry of
+    ``victims`` (devices, phase), those devices inside an iteration (``_die_in``'s phases, or
+    ``forward``: SIGKILL in the forward pass) and recovers with no checkpoint. Before each
+    failing iteration a checkpoint is saved for the test's oracle only. With ``plant``, that
+    device's copy of its ward is made one step behind (the bytes of the step before, the tag
+    of the newest): the recovered state must then differ from the oracle. Each survivor's
+    result of each recovery is also written to ``<ckpt_dir>/<phase>-<device>.json``."""
+    def fn(store) -> dict:
+        from dynatrain.runtime.megatron.buddy import Generation
+
+        tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective,
+                             buddy=True)
+        out: dict = {"snapshot": []}
+        for _ in range(2):
+            tr.step(job)
+            out["snapshot"].append(sw.snapshot(job))
+        for n, (dying, phase) in enumerate(victims):
+            oracle = os.path.join(ckpt_dir, f"oracle{n}")
+            tr.save(job, oracle)
+            if device == plant:
+                old, new = sw._buddy.held[-2:]
+                sw._buddy.held[-1] = Generation(new.iteration, new.step, None, old.flat,
+                                                old.store)
+            if device in dying:
+                if phase == "forward":
+                    _fail_in_forward(job, signal.SIGKILL)
+                else:
+                    _die_in(phase, job)
+            try:
+                tr.step(job)
+                sw.snapshot(job)
+                released = None
+            except Exception as err:  # noqa: BLE001 — what a survivor sees of a dead peer
+                released = type(err).__name__
+            res = sw.recover(job)  # no checkpoint
+            out[phase] = rec._checked(tr, sw, res, oracle)  # trains one more iteration
+            out[phase]["released"] = released
+            # Kept on disk too: a survivor that a later phase kills returns no result.
+            with open(os.path.join(ckpt_dir, f"{phase}-{device}.json"), "w") as f:
+                json.dump(out[phase], f, default=list)
+            job = res.job
+            if job is None:
+                break
+            sw.snapshot(job)
+        sw.close()
+        return out
+
+    return fn

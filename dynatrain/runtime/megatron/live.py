@@ -75,6 +75,7 @@ by the caller (``dynatrain.verify.check.check``): the runtime layer does not imp
 from __future__ import annotations
 
 import hashlib
+import logging
 import json
 import os
 import time
@@ -107,6 +108,7 @@ from .job import (Builder, GlobalState, MegatronJob, Notice, Prepared, Refill, S
 from .job import where_failed as _where
 from . import build_ahead as ahead_build
 from .build_ahead import Built
+from .buddy import BuddyCopy
 from .groups_ahead import GroupsAhead
 from .groups_ahead import resync as resync_groups, supported as groups_ahead_supported
 from .recovery import Heartbeat, Liveness, Recovery
@@ -114,6 +116,8 @@ from .rendezvous import Rendezvous
 from . import te_fp8
 from .watchdog import Watchdog
 from .world import WorldSwitch
+
+log = logging.getLogger(__name__)
 
 SLICE_PLANNER = "spread-1"  # in the digest: processes must run the same planner
 
@@ -184,6 +188,12 @@ class LiveSwitcher:
             groups megatron makes for the destination and creates them in a background thread
             while the job trains; the switch then takes them instead of creating them
             (``groups_ahead.GroupsAhead``). False: create them at the switch.
+        buddy: keep buddy copies (``buddy.BuddyCopy``): ``snapshot(job)``, called after every
+            optimizer step, copies this rank's optimizer state to host memory and to its
+            buddy on another node, so that ``recover`` restores the state of a step every
+            survivor shares without a checkpoint when a device (or a node) dies at any moment.
+            Needs the distributed optimizer, bf16/fp16 params with fp32 main params, and devices
+            on two nodes or more.
         reserve_bytes: what the job needs on its device above what it holds at a boundary to
             train an iteration, kept free when ``build_ahead`` holds a destination job beside
             it (default: the CUDA allocator's peak above what is allocated at that boundary;
@@ -206,7 +216,7 @@ class LiveSwitcher:
                  train_state: TrainState | None = None,
                  collective_timeout: float | None = None,
                  abort_after: float | None = None, groups_ahead: bool = True,
-                 reserve_bytes: int | None = None) -> None:
+                 reserve_bytes: int | None = None, buddy: bool = False) -> None:
         self.spec, self.layout = spec, (Layout(spec) if spec is not None else None)
         if self.layout is not None and device not in self.layout.devices:
             raise LayoutError(f"device {device} is not in the layout ({self.layout.devices[0]},"
@@ -251,6 +261,11 @@ class LiveSwitcher:
             self._heartbeat = Heartbeat(rendezvous, device, float(heartbeat))
             self.liveness = Liveness(rendezvous, stale_after if stale_after is not None
                                      else max(10 * float(heartbeat), 1.0))
+        self.buddy = buddy
+        self._buddy: BuddyCopy | None = None  # the copies of the current layout
+        self.buddy_why: str | None = None  # why the current layout keeps no copies
+        if buddy and self.layout is not None:
+            self._buddy = self._new_copies()
         self.abort_after, self.watchdog = abort_after, None
         if abort_after is not None:
             if self._heartbeat is None or not abort_after > 0:
@@ -697,6 +712,42 @@ class LiveSwitcher:
             self.spec, self.layout = prep.dst_spec, prep.dst
         if prep.generation is not None:
             self._generation = prep.generation
+
+    # ---- buddy copies ------------------------------------------------------------------------
+
+    def _new_copies(self) -> BuddyCopy:
+        assert self.layout is not None
+        return BuddyCopy(self.layout, self.device, self.collective_timeout or self.timeout)
+
+    def snapshot(self, job: MegatronJob) -> dict[str, float]:
+        """Take this step's buddy copy (``buddy=True``): every process of the job calls it at
+        the same boundary, after the optimizer step. The first call after a switch or a
+        recovery pairs the devices of the new layout. Returns the seconds of its device-to-host
+        copy and of its exchange with the buddy; ``{}`` when the layout allows no copies (its
+        devices on one node: ``buddy_why`` says why, a warning is logged once, and a failure
+        falls back to a checkpoint until a layout allows them again).
+
+        Raises:
+            DynatrainError: the switcher keeps no copies, or runs no rank.
+            RuntimeError: the buddy or the ward died or hangs (after ``collective_timeout``):
+                ``recover``.
+        """
+        if not self.buddy or self.layout is None:
+            raise DynatrainError(f"{self.device}: snapshot() needs LiveSwitcher(buddy=True) "
+                                 "and a running rank")
+        if self._buddy is None or self._buddy.layout is not self.layout:
+            self._buddy = None
+            try:
+                self._buddy = self._new_copies()
+            except DynatrainError as err:  # e.g. the survivors of a recovery on one node
+                if self.buddy_why is None:
+                    log.warning("%s: no buddy copies in layout %s: %s", self.device,
+                                self.layout.spec.name, err)
+                self.buddy_why = str(err)
+                return {}
+        self.buddy_why = None
+        self._buddy.take(job)
+        return dict(self._buddy.seconds)
 
     # ---- recovery ----------------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ from ...planner.suggest import suggest
 from ..executor import process_devices, switch
 from ..storage import allocate, region
 from .bridge import extract_state, install_state, read_step
+from .buddy import BuddyCopy, fill_pieces, newest_common, run_fill
 from .check_job import check_job
 from .job import MegatronJob, RecoveryFailed, SwitchResult, carried, carry_into, parallel_kwargs
 from .rendezvous import Rendezvous
@@ -146,10 +147,11 @@ class RecoveryPlan:
     dst: Layout
     plan: Plan
     lost: LostState
-    mode: str  # "exchange", "refill" or "rollback" (``Recovery._restore``)
+    mode: str  # "exchange", "buddy", "refill" or "rollback" (``Recovery._restore``)
     write: Callable[[dict], object] | None  # this rank's checkpoint writer (refill, rollback)
-    carry: dict | None  # a rollback's training state, as ``job.carried`` gives it
+    carry: dict | None  # the training state of a rollback or a buddy recovery
     src_store: dict | None  # this process's source state (None for a rollback)
+    fill: Callable | None = None  # a buddy recovery's fill, run by the exchange
 
     def without_source(self) -> RecoveryPlan:
         return replace(self, src_store=None)
@@ -207,6 +209,7 @@ class Recovery:
         self.name = f"g{generation}/recover"
         self.seconds: dict[str, float] = {}
         self._mark = time.perf_counter()
+        self.filled = 0  # bytes a buddy recovery wrote into this rank's state from copies
 
     def _lap(self, what: str) -> None:
         now = time.perf_counter()
@@ -290,14 +293,15 @@ class Recovery:
     # ---- 2. + 3. where to, and what restores what was lost ----------------------------------
 
     def prepare(self, failed: tuple[str, ...], steps: dict, dst_spec: LayoutSpec | None,
-                checkpoint: str | None, rollback: bool | None) -> RecoveryPlan:
+                checkpoint: str | None, rollback: bool | None,
+                holds: dict | None = None) -> RecoveryPlan:
         """Plan, verify, choose how lost state comes back, check the checkpoint and extract the
         source state; voted by every survivor, so all go on or all raise the same refusal,
         before anything is torn down."""
         survivors = tuple(d for d in self.src.devices if d not in failed)
         out = None
         try:
-            out = self._prepare(failed, survivors, steps, dst_spec, checkpoint, rollback)
+            out = self._prepare(failed, survivors, steps, dst_spec, checkpoint, rollback, holds)
             outcome = "ok " + out.digest
         except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
             outcome = _refusal(err)
@@ -312,7 +316,7 @@ class Recovery:
         return out
 
     def _prepare(self, failed, survivors, steps, dst_spec, checkpoint,
-                 rollback) -> RecoveryPlan:
+                 rollback, holds) -> RecoveryPlan:
         sw, src = self.sw, self.src
         gone = frozenset(failed)
         if dst_spec is None:
@@ -330,6 +334,11 @@ class Recovery:
             raise LayoutError("executor.process_devices still counts the failed devices as "
                               "processes of the switch (it must leave out plan.stats['failed'])")
         lost = LostState.from_json(plan.stats["lost"])
+        one_step = len(set(steps.values())) == 1 and not _gather_in_flight(self.job)
+        if holds is not None and rollback is not True and not (one_step and not lost):
+            got = self._from_copies(dst_spec, gone, holds)
+            if got is not None:
+                return got
         rank = dst.devices.index(self.me) if self.me in dst.devices else None
         mode, write, carry = self._restore(dst, rank, lost, steps, checkpoint, rollback)
         src_view, dst_view = transition_views(src, dst)
@@ -353,6 +362,66 @@ class Recovery:
         digest = hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(),
                                  digest_size=16).hexdigest()
         return RecoveryPlan(digest, dst_spec, dst, plan, lost, mode, write, carry, src_store)
+
+    def _from_copies(self, dst_spec: LayoutSpec, gone: frozenset[str],
+                     holds: dict) -> RecoveryPlan | None:
+        """A recovery from the buddy copies (``buddy.py``): every survivor's own copy of the
+        newest step all copies share as its source, what the dead held from their buddies'
+        copies during the exchange, the parameters derived from the main params. None when
+        the copies cannot restore that step (a buddy died too, or none was taken yet): the
+        caller falls back to a checkpoint."""
+        sw, src, copies = self.sw, self.src, self._copies()
+        failed = tuple(d for d in src.devices if d in gone)
+        tag = newest_common(holds, failed, copies.pairs) if copies is not None else None
+        if tag is None:
+            return None
+        state = dst_spec.state.model_copy(update={"derive_param": True})
+        dst = Layout(dst_spec.model_copy(update={"state": state}))
+        plan = plan_transition(src, dst, sw.budget_bytes, sw.topology, failed=gone,
+                               allow_lost=True)
+        sw.verify(plan, src, dst)
+        lost = LostState.from_json(plan.stats["lost"])
+        src_view, dst_view = transition_views(src, dst)
+        holders = {d: copies.pairs[d] for d in failed}
+        pieces = fill_pieces(src_view, dst_view, lost, holders)
+        own = copies.own_at(tag)
+        ward = copies.ward if copies.ward in gone else None
+        held = copies.held_at(tag).store if ward is not None else None
+        on = _device(self.rdzv.backend)
+        src_store = {k: t.to(on) for k, t in own.store.items()}
+        mine = tuple(p for p in pieces if self.me in (p.holder, dst.devices[p.dst_rank]))
+
+        def fill(dst_store, pg, devices, device) -> None:
+            self.filled = run_fill(mine, self.me, dst.devices, devices, held, dst_store, pg,
+                                   sw.timeout, device)
+
+        doc = plan_to_json(plan)
+        del doc["summary"]
+        doc["restore"] = ["buddy", list(tag)]
+        digest = hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(),
+                                 digest_size=16).hexdigest()
+        return RecoveryPlan(digest, dst_spec, dst, plan, lost, "buddy", None, own.carry,
+                            src_store, fill)
+
+    def _copies(self) -> BuddyCopy | None:
+        """The buddy copies of the job's current layout, if any were kept."""
+        b = self.sw._buddy
+        return b if b is not None and b.layout is self.src else None
+
+    def agree_copies(self, survivors: tuple[str, ...]) -> dict | None:
+        """Every survivor's buddy copies (``BuddyCopy.tags``); None if one has none."""
+        copies = self._copies()
+        mine = json.dumps(copies.tags()) if copies is not None else "none"
+        votes = self.rdzv.vote(f"{self.name}/copies", survivors, self.me, mine, dead=self._dead)
+        out = {}
+        for d, v in votes.items():
+            if v is None:
+                raise self._fail(f"{d} did not post its buddy copies (its process died or "
+                                 "hangs); call recover again", EXIT_ABORTED)
+            if v == "none":
+                return None
+            out[d] = json.loads(v)
+        return out
 
     def _restore(self, dst: Layout, rank: int | None, lost: LostState, steps: dict,
                  checkpoint: str | None, rollback: bool | None):
@@ -416,12 +485,13 @@ class Recovery:
         failed = self.agree_failed(given)
         survivors = tuple(d for d in self.src.devices if d not in failed)
         steps = self.agree_step(survivors)
-        p = self.prepare(failed, steps, dst_spec, checkpoint, rollback)
+        holds = self.agree_copies(survivors) if self.sw.buddy else None
+        p = self.prepare(failed, steps, dst_spec, checkpoint, rollback, holds)
         from megatron.core import parallel_state as ps
 
         sw, rdzv = self.sw, self.rdzv
         saved = sw._save_global()
-        carry = p.carry if p.mode == "rollback" else carried(self.job)
+        carry = p.carry if p.mode in ("rollback", "buddy") else carried(self.job)
         union = tuple(d for d in process_devices(p.plan) if d not in failed)
         new, outcome, report, refilled = None, "ok", {}, 0
         src_store, p = p.src_store, p.without_source()
@@ -439,7 +509,7 @@ class Recovery:
                 self._lap("switch_group")
                 dst_store, report = switch(p.plan, src_view, dst_view, self.me, src_store,
                                            None, timeout=sw.timeout,
-                                           check_transfers=sw.check_transfers)
+                                           check_transfers=sw.check_transfers, fill=p.fill)
                 src_store = None
                 self._lap("exchange")
                 rdzv.leave()
@@ -448,6 +518,8 @@ class Recovery:
                     p.write(dst_store)
                     refilled = (_refilled_bytes(p.lost, dst_view, rank) if p.mode == "refill"
                                 else _state_bytes(dst_view, rank, dst_store))
+                elif p.mode == "buddy":  # filled during the exchange
+                    refilled = self.filled
                 self._lap("reload" if p.mode == "rollback" else "refill")
                 new = self._build(p.dst_spec, p.dst, dst_view, dst_store, carry)
             del dst_store

@@ -15,7 +15,13 @@ catches the error its iteration raises and calls ``LiveSwitcher.recover`` (heart
 * ``exchange``: ``num_distributed_optimizer_instances=2``, no checkpoint at all;
 * ``refill``: one instance, the checkpoint of iteration 2 (the last finished): the dead
   process's optimizer shard is read from it, the rest moves between the survivors;
-* ``rollback``: one instance, a checkpoint of iteration 1 only: every survivor reloads it.
+* ``rollback``: one instance, a checkpoint of iteration 1 only: every survivor reloads it;
+* ``buddy``: one instance with buddy copies (``LiveSwitcher(buddy=True)``, ``snapshot`` after
+  every step), on two nodes of two devices, no checkpoint: the survivors restore the last
+  finished step from their own copies and the dead process's buddy. Its first iterations run
+  without copies and then with them, so the per-step cost of the copies is measured side by
+  side in one run (``step_s`` without, ``step_with_copy_s`` with; the copy's host memory beside
+  the state it copies).
 
 ``release`` is the time from the death to the error a survivor's iteration raises: at once
 where the survivor is in a collective with the dead process (its sockets close), the job's
@@ -63,6 +69,9 @@ from dynatrain.verify.check import check  # noqa: E402
 
 DEVICES = [f"node0:gpu{i}" for i in range(4)]
 VICTIM = "node0:gpu3"
+# Buddy copies go to another node: the buddy way runs on two nodes of two.
+BUDDY_DEVICES = ["node0:gpu0", "node0:gpu1", "node1:gpu0", "node1:gpu1"]
+COPY_STEPS = 3  # iterations timed without copies, then with them (the buddy way)
 GLOBAL_BATCH = 12  # DP4 and DP3 alike
 # The job's group timeout. Gloo cannot abort a collective: a survivor whose collective peers
 # are all alive, but blocked on the dead one, waits this long (in a ring reduce-scatter, every
@@ -94,16 +103,22 @@ def train_state(ckpt: str) -> dict:
             "scheduler": doc["scheduler"], "extra": {}}
 
 
-def _job_spec(instances: int):
-    return example.spec(example.MODELS["dense"], f"dp4 x{instances}",
-                        {"num_distributed_optimizer_instances": instances}, len(DEVICES))
+def _job_spec(instances: int, devices: list[str]):
+    spec = example.spec(example.MODELS["dense"], f"dp4 x{instances}",
+                        {"num_distributed_optimizer_instances": instances}, len(devices))
+    world = spec.world.model_copy(update={"devices": tuple(devices)})
+    return spec.model_copy(update={"world": world})
+
+
+def _devices(way: str) -> tuple[list[str], str]:
+    return (BUDDY_DEVICES, BUDDY_DEVICES[-1]) if way == "buddy" else (DEVICES, VICTIM)
 
 
 def worker(device: str, way: str, store_path: str, tmpdir: str) -> None:
     try:
         example.quiet_library_warnings()
         torch.set_num_threads(1)
-        example.cpu.set_device(DEVICES.index(device))
+        example.cpu.set_device(_devices(way)[0].index(device))
         with example.cpu.cpu_shim():
             _recover_once(device, way, store_path, tmpdir)
     except BaseException:  # noqa: BLE001 — reported by the parent
@@ -117,9 +132,10 @@ def _recover_once(device: str, way: str, store_path: str, tmpdir: str) -> None:
     """Train, lose ``VICTIM`` in iteration 3, recover ``way``, train one more iteration."""
     store = dist.FileStore(store_path, -1)
     rdzv = Rendezvous(store, "gloo", prefix="job", timeout=60.0)
-    spec = _job_spec(2 if way == "exchange" else 1)
+    devices, victim = _devices(way)
+    spec = _job_spec(2 if way == "exchange" else 1, devices)
     trainer = mcore_job.GlobalBatch(GLOBAL_BATCH, 32, spec.model.vocab_size)
-    rdzv.form("start", DEVICES, device)
+    rdzv.form("start", devices, device)
     from megatron.core import parallel_state as ps
 
     from dynatrain.runtime.megatron.job import parallel_kwargs
@@ -130,14 +146,18 @@ def _recover_once(device: str, way: str, store_path: str, tmpdir: str) -> None:
     sw = LiveSwitcher(spec, device, mcore_job.build_job, check, rendezvous=rdzv,
                       timeout=60.0, heartbeat=0.1, stale_after=1.5, refill=refill,
                       train_state=train_state, collective_timeout=COLLECTIVE_S,
-                      init_kwargs=mcore_job.init_kwargs())
+                      init_kwargs=mcore_job.init_kwargs(), buddy=way == "buddy")
     old, last = os.path.join(tmpdir, "it1"), os.path.join(tmpdir, "it2")
-    trainer.step(job)
-    mcore_job.save_checkpoint(job, old)
-    trainer.step(job)
+    copies = {}
+    if way == "buddy":
+        copies = _time_copies(trainer, job, sw)
+    else:
+        trainer.step(job)
+        mcore_job.save_checkpoint(job, old)
+        trainer.step(job)
     if way == "refill":
         mcore_job.save_checkpoint(job, last)
-    if device == VICTIM:
+    if device == victim:
         calls = [0]
 
         def die(module, args):
@@ -154,7 +174,7 @@ def _recover_once(device: str, way: str, store_path: str, tmpdir: str) -> None:
         released = time.time() - float(store.get("died").decode())
     if released is None:
         raise RuntimeError("iteration 3 finished although a peer died in it")
-    ckpt = {"exchange": None, "refill": last, "rollback": old}[way]
+    ckpt = {"exchange": None, "refill": last, "rollback": old, "buddy": None}[way]
     res = sw.recover(job, checkpoint=ckpt)
     if res.recovery["mode"] != way:
         raise RuntimeError(f"recovered by {res.recovery['mode']}, not {way}")
@@ -163,18 +183,47 @@ def _recover_once(device: str, way: str, store_path: str, tmpdir: str) -> None:
     doc = {"seconds": res.seconds, "release": released, "mode": res.recovery["mode"],
            "dst": res.recovery["dst"], "lost_bytes": res.recovery["lost_bytes"],
            "refilled_bytes": res.recovery["refilled_bytes"],
-           "iteration": res.recovery["iteration"]}
+           "iteration": res.recovery["iteration"], **copies}
     sw.close()
     with open(os.path.join(tmpdir, f"{device}.json"), "w") as f:
         json.dump(doc, f)
 
 
+def _time_copies(trainer, job, sw) -> dict:
+    """``COPY_STEPS`` iterations without buddy copies, then as many with one after each (the
+    copies the recovery uses): seconds per iteration each way (median), the copy's parts, and
+    the host memory the copies take beside the state they copy."""
+    from statistics import median
+
+    from dynatrain.runtime.megatron import extract_state
+
+    def timed(copy: bool) -> tuple[float, dict]:
+        times, parts = [], []
+        for _ in range(COPY_STEPS):
+            dist.barrier()  # every process starts the iteration together
+            t0 = time.perf_counter()
+            trainer.step(job)
+            if copy:
+                parts.append(sw.snapshot(job))
+            times.append(time.perf_counter() - t0)
+        return median(times), {k: median(p[k] for p in parts) for k in parts[0]} if parts else {}
+
+    step_s, _ = timed(False)
+    step_with, parts = timed(True)
+    b = sw._buddy
+    live = extract_state(b.view, b.rank, job.model_chunks, job.optimizer)
+    state = sum(t.numel() * t.element_size() for t in live.values())
+    return {"step_s": step_s, "step_with_copy_s": step_with, "copy_parts_s": parts,
+            "copy_host_bytes": b.host_bytes, "state_bytes": state}
+
+
 def run_way(way: str, timeout: float) -> dict:
     """One recovery ``way``; the slowest survivor's seconds per part."""
     ctx = multiprocessing.get_context("fork")
+    devices, victim = _devices(way)
     with tempfile.TemporaryDirectory(prefix="recovery_bench_") as tmpdir:
         store_path = os.path.join(tmpdir, "store")
-        procs = [ctx.Process(target=worker, args=(d, way, store_path, tmpdir)) for d in DEVICES]
+        procs = [ctx.Process(target=worker, args=(d, way, store_path, tmpdir)) for d in devices]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -188,9 +237,9 @@ def run_way(way: str, timeout: float) -> dict:
             with open(os.path.join(tmpdir, errors[0])) as f:
                 raise RuntimeError(f"{way}: {errors[0]}:\n{f.read()[-3000:]}")
         docs = []
-        for d in DEVICES:
+        for d in devices:
             path = os.path.join(tmpdir, f"{d}.json")
-            if d != VICTIM:
+            if d != victim:
                 if not os.path.exists(path):
                     raise RuntimeError(f"{way}: {d} did not finish within {timeout:.0f} s")
                 with open(path) as f:
@@ -203,8 +252,15 @@ def run_way(way: str, timeout: float) -> dict:
             "downtime": last["seconds"]["downtime"],
             "total": max(doc["release"] + doc["seconds"]["downtime"] for doc in docs),
             "dst": docs[0]["dst"], "lost_bytes": docs[0]["lost_bytes"],
-            "reread_bytes": sum(doc["refilled_bytes"] for doc in docs),
-            "resumed_at_iteration": docs[0]["iteration"]}
+            # Bytes read again from a checkpoint, or taken from the buddy copies.
+            "reread_bytes": 0 if way == "buddy" else sum(doc["refilled_bytes"] for doc in docs),
+            "from_copies_bytes": sum(doc["refilled_bytes"] for doc in docs) if way == "buddy"
+            else 0,
+            "resumed_at_iteration": docs[0]["iteration"],
+            **({"copies": {k: max(doc[k] for doc in docs) if k != "copy_parts_s" else
+                           last[k] for k in ("step_s", "step_with_copy_s", "copy_parts_s",
+                                            "copy_host_bytes", "state_bytes")}}
+               if way == "buddy" else {})}
 
 
 # ---- the model at scale -----------------------------------------------------------------------
@@ -272,7 +328,14 @@ def model(args) -> list[dict]:
             else:
                 row["refill"] = common + wire + lost_per_dev / (args.read_GBps * 1e9)
                 row["rollback"] = common + per_dev / (args.read_GBps * 1e9)
-                row["way"] = "refill (checkpoint of this step) or rollback"
+                # Buddy copies: the lost shards come from the failed node's buddies over the
+                # network, spread over the destination's devices like the refill's reads.
+                row["buddy"] = common + wire + lost_per_dev / (args.nic_GBps * 1e9)
+                params, opt = rank_elements(Layout(s), 0)
+                # Four copies of a rank's optimizer state (two steps, its own and its ward's).
+                row["buddy_host_bytes_per_device"] = 4 * opt * opt_bytes
+                row["buddy_copy_seconds_per_step"] = opt * opt_bytes / (args.nic_GBps * 1e9)
+                row["way"] = "refill (checkpoint of this step), rollback or buddy copies"
             rows.append(row)
     return rows
 
@@ -285,6 +348,8 @@ def main() -> None:
     ap.add_argument("--read-GBps", type=float, default=2.0,
                     help="checkpoint read bandwidth per device, GB/s (assumed)")
     ap.add_argument("--detect-s", type=float, default=1.5, help="dead heartbeat (assumed)")
+    ap.add_argument("--nic-GBps", type=float, default=25.0,
+                    help="host-to-host bandwidth per GPU for buddy copies, GB/s (assumed)")
     ap.add_argument("--groups-s", type=float, default=5.0,
                     help="forming the destination's NCCL groups at scale (assumed)")
     ap.add_argument("--build-s", type=float, default=5.0,
@@ -295,7 +360,7 @@ def main() -> None:
     if args.repeat < 1:
         ap.error("--repeat: at least 1")
     measured = []
-    for way in ("exchange", "refill", "rollback"):
+    for way in ("exchange", "refill", "rollback", "buddy"):
         runs = [run_way(way, args.timeout) for _ in range(args.repeat)]
         measured.append(min(runs, key=lambda r: r["downtime"]))
     print(f"measured on this machine ({os.cpu_count()} CPUs, gloo, 4 processes, one SIGKILLed "
@@ -309,15 +374,27 @@ def main() -> None:
               + " ".join(f"{m['parts'][p]:9.3f}" for p in short)
               + f" {m['downtime']:9.3f} {m['total']:7.3f}  iteration "
               f"{m['resumed_at_iteration']}")
+    c = measured[-1]["copies"]
+    print(f"\nbuddy copies, per iteration (median of {COPY_STEPS}, slowest process): "
+          f"{c['step_s'] * 1e3:.1f} ms without, {c['step_with_copy_s'] * 1e3:.1f} ms with "
+          f"({c['step_with_copy_s'] / c['step_s']:.2f}x; copy to host "
+          f"{c['copy_parts_s']['copy'] * 1e3:.1f} ms, exchange with the buddy "
+          f"{c['copy_parts_s']['exchange'] * 1e3:.1f} ms); host memory "
+          f"{c['copy_host_bytes'] / 2**20:.1f} MiB per process for "
+          f"{c['state_bytes'] / 2**20:.1f} MiB of state "
+          f"({c['copy_host_bytes'] / c['state_bytes']:.2f}x)")
     rows = [] if args.no_model else model(args)
     if rows:
         print(f"\nmodelled (an estimate: plan measured here, exchange from the H100 wire model; "
               f"assumed: detect {args.detect_s} s, groups {args.groups_s} s, build "
-              f"{args.build_s} s, checkpoint reads {args.read_GBps} GB/s per device)")
+              f"{args.build_s} s, checkpoint reads {args.read_GBps} GB/s per device, buddy "
+              f"copies {args.nic_GBps} GB/s per GPU)")
         for r in rows:
             ways = (f"exchange {r['total_seconds']:.1f} s" if "total_seconds" in r else
                     f"refill {r['refill']:.1f} s, rollback {r['rollback']:.1f} s + the "
-                    "iterations since the checkpoint")
+                    f"iterations since the checkpoint, buddy copies {r['buddy']:.1f} s "
+                    f"({r['buddy_host_bytes_per_device'] / 2**30:.0f} GiB host memory per GPU, "
+                    f"{r['buddy_copy_seconds_per_step']:.2f} s of copy per step)")
             print(f"  {r['src']} minus {r['failed']}, {r['instances']} optimizer instance(s): "
                   f"lost {r['lost_bytes'] / 2**30:.1f} GiB, plan {r['plan_seconds']:.1f} s, "
                   f"exchange {r['exchange_seconds']:.2f} s; {ways}")
@@ -330,7 +407,8 @@ def main() -> None:
                                    "torch": torch.__version__, "cpus": os.cpu_count()},
                    "measured": measured, "model": rows, "peers": PEERS,
                    "assumptions": {k: getattr(args, k) for k in
-                                   ("read_GBps", "detect_s", "groups_s", "build_s")}},
+                                   ("read_GBps", "detect_s", "groups_s", "build_s",
+                                    "nic_GBps")}},
                   f, indent=2)
     print(f"wrote {args.out}")
 

@@ -61,7 +61,7 @@ def _claims(name: str, doc: dict) -> None:
         assert 1.0 <= row["time_ratio"] < 1.5 and row["plan_seconds"] > 0
     elif name == "recovery_bench":
         ways = {m["way"]: m for m in doc["measured"]}
-        assert sorted(ways) == ["exchange", "refill", "rollback"]
+        assert sorted(ways) == ["buddy", "exchange", "refill", "rollback"]
         assert ways["exchange"]["lost_bytes"] == 0 and ways["exchange"]["reread_bytes"] == 0
         assert 0 < ways["refill"]["reread_bytes"] <= ways["refill"]["lost_bytes"]
         assert ways["rollback"]["reread_bytes"] > ways["rollback"]["lost_bytes"] > 0
@@ -69,6 +69,15 @@ def _claims(name: str, doc: dict) -> None:
         # rollback goes back to its checkpoint of iteration 1.
         assert [ways[w]["resumed_at_iteration"] for w in ("exchange", "refill", "rollback")] \
             == [2, 2, 1]
+        # Buddy copies: no checkpoint read; every lost byte came from the copies, and the job
+        # went on from its last finished iteration (six: three timed without copies, three
+        # with).
+        b = ways["buddy"]
+        assert b["reread_bytes"] == 0 and b["from_copies_bytes"] == b["lost_bytes"] > 0, b
+        assert b["resumed_at_iteration"] == 6, b
+        c = b["copies"]
+        assert c["step_s"] > 0 and c["step_with_copy_s"] > 0 and c["copy_parts_s"]["copy"] > 0
+        assert c["copy_host_bytes"] > 0 and c["state_bytes"] > 0
         assert all(m["release"] > 0 and m["downtime"] > 0 for m in ways.values())
         assert doc["model"] and all((r["lost_bytes"] == 0) == (r["instances"] == 2)
                                     for r in doc["model"])

@@ -14,7 +14,9 @@ or, a step past it, roll back in place to it) and enters ``train()`` again. Orac
 own restart from that checkpoint, ``--load``ed into the survivors' layout on two processes:
 every rank's state (params, main params, Adam moments and steps, scheduler, consumed samples)
 equals it bit for bit, and the next iterations' losses are equal. Without a checkpoint, the
-lost state ends every survivor with one line and exit status 3.
+lost state ends every survivor with one line and exit status 3. With buddy copies
+(``LiveOptions(buddy=True)``) node0 restores the step of iteration 4 from them instead, no
+checkpoint read.
 """
 
 from __future__ import annotations
@@ -48,12 +50,19 @@ OPTIONS = LiveOptions(requests=False, gpus_per_node=2, timeout=60, heartbeat=0.5
 # 6 they hold step 5, the checkpoint step 4: every survivor rolls back in place to it and
 # trains iteration 5 again. The stopped node is released by a 10 s collective timeout: with
 # Megatron-LM's --distributed-timeout-minutes 30 alone the run would outlast the test's limit.
+#
+# With buddy copies (``LiveOptions(buddy=True)``) the same death in iteration 5 is recovered
+# from node1's copies on node0, no checkpoint read: the checkpoint of iteration 4 is then the
+# test's oracle only.
 @pytest.mark.parametrize("dies_at, how, mode", [
     pytest.param(4, signal.SIGKILL, "refill", id="killed-refill"),
-    pytest.param(5, signal.SIGSTOP, "rollback", id="stopped-rollback")])
+    pytest.param(5, signal.SIGSTOP, "rollback", id="stopped-rollback"),
+    pytest.param(4, signal.SIGKILL, "buddy", id="killed-buddy")])
 def test_a_node_dies_inside_train_and_the_job_trains_on(tmp_path, capfd, dies_at, how, mode):
     ckpt = str(tmp_path / "ckpt")
     options, extra = OPTIONS, ()
+    if mode == "buddy":
+        options = dataclasses.replace(OPTIONS, buddy=True)
     if how == signal.SIGSTOP:
         options = dataclasses.replace(OPTIONS, collective_timeout=10.0)
         extra = ("--distributed-timeout-minutes", "30")

@@ -114,7 +114,9 @@ class BuddyCopy:
         self.buddy = self.pairs[device]
         self.ward = next(d for d, b in self.pairs.items() if b == device)
         self.rank = layout.devices.index(device)
-        self.view = view_of(layout)
+        # The padding rows of the vocabulary counted as state: the widest view of the job's
+        # tensors, whose keys cover any view a recovery reads them through.
+        self.view = view_of(layout, layout.padded_vocab)
         self._mine, mine_bytes = _offsets(self.view, self.rank)
         self._theirs, their_bytes = _offsets(self.view, layout.devices.index(self.ward))
         self.host_bytes = KEEP * (mine_bytes + their_bytes)

@@ -115,6 +115,11 @@ class LiveOptions:
             survivor still blocked). Megatron-LM's groups, made with
             ``--distributed-timeout-minutes`` (whole minutes), get it once they exist, and every
             layout a switch or recovery builds is made with it. None: Megatron-LM's.
+        buddy: with ``recover``: after every ``train_step`` each process copies its optimizer
+            state to its host memory and to its buddy on another node (``LiveSwitcher(
+            buddy=True)``), so that a recovery restores the last step every copy shares
+            without reading a checkpoint (needs the distributed optimizer, bf16/fp16 params
+            and ``gpus_per_node`` that puts the job on two nodes or more).
     """
 
     schedule: Mapping[int, LayoutSpec | str | Mapping[str, Any]] = field(default_factory=dict)
@@ -131,6 +136,7 @@ class LiveOptions:
     stale_after: float | None = None
     abort_after: float | None = None
     collective_timeout: float | None = None
+    buddy: bool = False
 
 
 @dataclass(frozen=True)
@@ -441,7 +447,7 @@ class _Driver:
         if not (isinstance(o.heartbeat, (int, float)) and o.heartbeat > 0):
             raise DynatrainError(f"heartbeat: seconds > 0 (got {o.heartbeat!r})")
         out: dict = dict(heartbeat=float(o.heartbeat), stale_after=o.stale_after,
-                         abort_after=o.abort_after)
+                         abort_after=o.abort_after, buddy=bool(o.buddy))
         if self.checkpoints is not None:
             c = self.checkpoints
             out.update(refill=c.refill,
@@ -501,6 +507,7 @@ class _Driver:
 
         real_step = mt.train_step
         mt.train_step = self._step_wrapper(real_step)
+        self.sw_now, self.job_now = sw, job
         self.progress = time.monotonic()
         try:
             job = self._train(job, sw, get_timers())
@@ -521,6 +528,8 @@ class _Driver:
             self.progress = time.monotonic()
             args = get_args()
             self._stepped(args)
+            if self.sw_now.buddy:
+                self._copy(args)
             if self.control.due(args.curr_iteration + 1):  # the boundary after this step
                 args.train_iters = args.curr_iteration + 1
                 self.segment_end = True
@@ -543,6 +552,17 @@ class _Driver:
         step_flops = count(args, batch) if count is not None else 0.0  # never stop training
         self.stepped = (args.curr_iteration + 1, args.consumed_train_samples + batch,
                         flops + step_flops)
+
+    def _copy(self, args: Any) -> None:
+        """The buddy copy of the step ``train_step`` just took, with the training state after
+        it (what a recovery from the copy resumes from)."""
+        job = self.job_now
+        it, consumed, flops = self.stepped
+        job.iteration, job.consumed_samples = it, consumed
+        job.extra = {k: getattr(args, k) for k in CARRIED_ARGS if hasattr(args, k)}
+        job.extra["num_floating_point_operations_so_far"] = flops
+        self.sw_now.snapshot(job)
+        self.progress = time.monotonic()
 
     def _carry_out(self, job: MegatronJob, args: Any) -> None:
         job.iteration, job.consumed_samples = args.iteration, args.consumed_train_samples
@@ -584,6 +604,7 @@ class _Driver:
                 self.segment_end = True
             else:
                 args.train_iters = self.target
+                self.job_now = job  # the job train_step's buddy copies are taken of
                 try:
                     iteration, flops = mt.train(
                         c["forward_step_func"], job.model_chunks, job.optimizer, job.scheduler,

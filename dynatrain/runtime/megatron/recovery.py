@@ -67,7 +67,7 @@ from ...planner.plan import Plan
 from ...planner.serialize import plan_to_json
 from ...planner.suggest import suggest
 from ..executor import process_devices, switch
-from ..storage import allocate, region
+from ..storage import allocate, region, storage_layout
 from .bridge import extract_state, install_state, read_step
 from .buddy import BuddyCopy, fill_pieces, newest_common, run_fill
 from .check_job import check_job
@@ -389,6 +389,7 @@ class Recovery:
         held = copies.held_at(tag).store if ward is not None else None
         on = _device(self.rdzv.backend)
         src_store = {k: t.to(on) for k, t in own.store.items()}
+        _check_copy(src_view, src.devices.index(self.me), own.store)
         mine = tuple(p for p in pieces if self.me in (p.holder, dst.devices[p.dst_rank]))
 
         def fill(dst_store, pg, devices, device) -> None:
@@ -564,6 +565,23 @@ class Recovery:
         carry_into(new, carry)
         self._lap("install")
         return new
+
+
+def _check_copy(view, rank: int, store: dict) -> None:
+    """A buddy copy holds every non-parameter tensor ``rank`` has in ``view``, of its shape
+    (the copies are taken with the padding rows of the vocabulary as state, the widest view).
+
+    Raises:
+        LayoutError: it does not: one line naming the tensor.
+    """
+    for key, (shape, dtype) in storage_layout(view, rank).items():
+        if key[0] == "param":
+            continue
+        got = store.get(key)
+        if got is None or tuple(got.shape) != tuple(shape) or got.dtype != dtype:
+            raise LayoutError(f"buddy copy of rank {rank}: {key} is "
+                              f"{'missing' if got is None else tuple(got.shape)}, the "
+                              f"recovery reads {tuple(shape)} {dtype}")
 
 
 def _state_bytes(dst_view, rank: int, store: dict) -> int:

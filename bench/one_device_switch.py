@@ -44,6 +44,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
+# The run is compared bit for bit with one that never switched, so its kernels must give one
+# answer. On CPUs with AMX or AVX512-BF16, oneDNN's bf16 kernels make megatron's distributed
+# and non-distributed optimizers part ways from the third step with the same state (two runs
+# that never switched, one per optimizer, measured on a Xeon with amx_bf16: iteration 6's loss
+# 6.235421776771545 against 6.23546838760376); capped at AVX2 they agree. Read once, when
+# oneDNN starts: before torch is imported. (On a GPU the run sets deterministic kernels.)
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

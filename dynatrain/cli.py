@@ -291,11 +291,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       reserve=_reserve(args.reserve),
                       failed=_failed(args.failed, args.src), allow_lost=args.allow_lost)
     except StateLost as lost:  # name every tensor, kind and range no survivor holds; exit 3
+        from .planner.buddy import cover
+
+        src_spec = load_spec(args.src)
+        buddy = cover(src_spec, Layout(src_spec).devices, lost.lost.failed)
         if args.json != STDOUT:
             print(lost.lost.to_text())
+            print(buddy.line())
         if args.json:
             _write(args.json, json.dumps({"format": "dynatrain.lost/1",
-                                          "lost": lost.lost.to_json()}) + "\n", "--json")
+                                          "lost": lost.lost.to_json(),
+                                          "buddy": buddy.to_json()}) + "\n", "--json")
         raise
     too_big = None
     if args.dot:  # a plan too large to draw: write every other output, then say so (exit 2)

@@ -19,7 +19,7 @@ import pytest
 
 from dynatrain.ir.errors import DynatrainError
 from dynatrain.ir.layout import Layout
-from dynatrain.planner.buddy import buddy_pairs, uncovered
+from dynatrain.planner.buddy import buddy_pairs, check_buddy_spec, cover, uncovered
 from dynatrain.runtime.megatron.buddy import fill_pieces, newest_common
 from dynatrain.ir.state import transition_views
 from dynatrain.planner.lost import LostState
@@ -177,3 +177,21 @@ def test_fill_pieces_tile_the_lost_state_exactly() -> None:
         assert {p.holder for p in mine} <= set(TWO_BY_TWO[:2])
     with pytest.raises(DynatrainError, match="held by no failed device"):
         fill_pieces(sv, dv, lost, {TWO_BY_TWO[2]: TWO_BY_TWO[0]})  # node1:gpu1's copy missing
+
+
+def test_plan_and_suggest_say_what_buddy_copies_would_restore() -> None:
+    spec = rec.spec_on(case("cover", 4, tp=2, **MODEL), "tp2-dp2", TWO_BY_TWO, tp=2)
+    whole_node = cover(spec, TWO_BY_TWO, TWO_BY_TWO[2:])
+    assert not whole_node.uncovered and whole_node.holders == {
+        "node1:gpu0": "node0:gpu0", "node1:gpu1": "node0:gpu1"}
+    assert "nothing is lost" in whole_node.line() and "node0" in whole_node.line()
+    pair = cover(spec, TWO_BY_TWO, ["node0:gpu0", "node1:gpu0"])  # each the other's buddy
+    assert pair.uncovered == {"node0:gpu0", "node1:gpu0"} and "lost their buddy" in pair.line()
+    one_node = cover(spec, ["node0:gpu0", "node0:gpu1", "node0:gpu2", "node0:gpu3"],
+                     ["node0:gpu3"])
+    assert one_node.why_none is not None and "two nodes" in one_node.line()
+    no_do = rec.spec_on(case("cover", 4, tp=2, use_distributed_optimizer=False, **MODEL),
+                        "tp2-dp2", TWO_BY_TWO, tp=2)
+    assert "use_distributed_optimizer" in cover(no_do, TWO_BY_TWO, TWO_BY_TWO[2:]).line()
+    with pytest.raises(DynatrainError, match="use_distributed_optimizer"):
+        check_buddy_spec(no_do)

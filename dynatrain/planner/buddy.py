@@ -9,7 +9,9 @@ Python: ``suggest`` and ``plan`` report it without torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from ..ir.errors import DynatrainError
 
@@ -41,3 +43,63 @@ def uncovered(failed: Iterable[str], pairs: dict[str, str]) -> frozenset[str]:
     copies (state held by any failed device whose buddy survives comes back from the buddy)."""
     gone = frozenset(failed)
     return frozenset(d for d in gone if pairs.get(d) in gone)
+
+
+def check_buddy_spec(spec) -> None:
+    """The rules a layout must meet to keep buddy copies (``runtime.megatron.buddy``).
+
+    Raises:
+        DynatrainError: one line naming the field and the rule.
+    """
+    st = spec.state
+    if not spec.parallel.use_distributed_optimizer:
+        raise DynatrainError("buddy copies: parallel.use_distributed_optimizer must be true "
+                             "(without it every optimizer state is a module-shaped tensor "
+                             "replicated over data parallel: no shard to copy)")
+    if st.main_param != "fp32" or st.param == "fp32":
+        raise DynatrainError("buddy copies: state.param must be bf16 or fp16 with fp32 main "
+                             "params (the parameters are derived from them after a recovery)")
+
+
+@dataclass(frozen=True)
+class BuddyCover:
+    """What buddy copies would restore when ``failed`` devices of a layout die."""
+
+    failed: frozenset[str]
+    holders: dict[str, str]  # failed device -> its buddy, for those whose buddy survives
+    uncovered: frozenset[str]  # failed devices whose buddy failed too
+    why_none: str | None  # the layout keeps no copies, and why
+
+    def line(self) -> str:
+        """One line for ``plan`` and ``suggest``."""
+        if self.why_none is not None:
+            return f"with buddy copies: none on this layout ({self.why_none})"
+        if not self.uncovered:
+            nodes = sorted({node_of(h) for h in self.holders.values()}, key=_natural)
+            return (f"with buddy copies (LiveSwitcher(buddy=True)): nothing is lost; the "
+                    f"{len(self.failed)} failed devices' state comes back from their buddies "
+                    f"on {', '.join(nodes[:4])}{', ...' if len(nodes) > 4 else ''}")
+        gone = sorted(self.uncovered, key=_natural)
+        return (f"with buddy copies: {len(gone)} failed devices lost their buddy too "
+                f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): what only they "
+                "held is lost as above")
+
+    def to_json(self) -> dict:
+        return {"why_none": self.why_none, "uncovered": sorted(self.uncovered),
+                "holders": dict(sorted(self.holders.items()))}
+
+
+def cover(spec, devices: Sequence[str], failed: Iterable[str]) -> BuddyCover:
+    """What buddy copies on ``spec``'s layout (running on ``devices``) restore of ``failed``."""
+    gone = frozenset(failed)
+    try:
+        check_buddy_spec(spec)
+        pairs = buddy_pairs(devices)
+    except DynatrainError as err:
+        return BuddyCover(gone, {}, gone, str(err).removeprefix("buddy copies: "))
+    lost = uncovered(gone, pairs)
+    return BuddyCover(gone, {d: pairs[d] for d in gone - lost}, lost, None)
+
+
+def _natural(d: str) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", d))

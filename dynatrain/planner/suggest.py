@@ -33,6 +33,7 @@ from ..ir.shard import shard
 from ..ir.spec import DEVICE_ID, LayoutSpec
 from ..ir.state import OPTIMIZER_KINDS
 from ..ir.units import format_bytes
+from .buddy import cover
 from .cost import H100, Topology, predicted_downtime
 from .pipeline import plan_transition
 from .sources import node_of
@@ -570,6 +571,8 @@ def suggest(src: LayoutSpec | Layout, devices: Sequence[str], *, reserve_bytes: 
         fitting.append((estimated_bytes_moved(src_fp, fp, failed_set), grid_text(cand), fp))
     fitting.sort(key=lambda t: (t[0], t[1]))  # ties: by grid text, so the order is stable
     plan_kw, notes = _failure_options(failed_set)
+    if failed_set:  # what the same failure would lose with DynaTrain's buddy copies
+        notes += (cover(spec, src_fp.layout.devices, failed_set).line(),)
     ranked, unplannable = [], 0
     for estimate, grid, fp in fitting[:top]:
         try:

@@ -44,7 +44,7 @@ from ...ir.errors import DynatrainError, LayoutError
 from ...ir.layout import Layout
 from ...ir.slots import Slot
 from ...ir.state import StateView, view_of
-from ...planner.buddy import buddy_pairs
+from ...planner.buddy import buddy_pairs, check_buddy_spec
 from ...planner.lost import LostState, subtract
 from ..storage import Storage, region, storage_layout, within
 from .bridge import extract_state, read_step
@@ -100,15 +100,7 @@ class BuddyCopy:
     """
 
     def __init__(self, layout: Layout, device: str, timeout: float) -> None:
-        st = layout.spec.state
-        if not layout.spec.parallel.use_distributed_optimizer:
-            raise DynatrainError("buddy copies: parallel.use_distributed_optimizer must be true "
-                                 "(without it every optimizer state is a module-shaped tensor "
-                                 "replicated over data parallel: no shard to copy)")
-        if st.main_param != "fp32" or st.param == "fp32":
-            raise DynatrainError("buddy copies: state.param must be bf16 or fp16 with fp32 "
-                                 "main params (the parameters are derived from them after a "
-                                 "recovery)")
+        check_buddy_spec(layout.spec)
         self.layout, self.device, self.timeout = layout, device, timeout
         self.pairs = buddy_pairs(layout.devices)
         self.buddy = self.pairs[device]

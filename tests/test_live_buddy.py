@@ -195,3 +195,29 @@ def test_plan_and_suggest_say_what_buddy_copies_would_restore() -> None:
     assert "use_distributed_optimizer" in cover(no_do, TWO_BY_TWO, TWO_BY_TWO[2:]).line()
     with pytest.raises(DynatrainError, match="use_distributed_optimizer"):
         check_buddy_spec(no_do)
+
+
+def test_a_device_and_its_buddy_both_lost_fall_back_to_the_checkpoint() -> None:
+    """DP4 on four nodes (buddies 0 -> 1 -> 2 -> 3 -> 0) loses node3 in a forward pass, then,
+    while the survivors recover from the copies, node0, which held node3's copies, dies
+    building the destination: that recovery fails with exit status 4, the job kept. Called
+    again, the copies cannot restore node3's shard (exit status 3, one line saying why); with
+    the checkpoint of the last finished iteration the lost shard is refilled from it, bit for
+    bit megatron's reload."""
+    base = case("buddy-fallback", 4, **MODEL)
+    with tempfile.TemporaryDirectory(prefix="live_buddy_fallback_") as ckpt:
+        fns = {d: fl.buddy_fallback_worker(base, d, NODES4, NODES4[3], NODES4[0], ckpt, 12,
+                                           TIMEOUT, COLLECTIVE) for d in NODES4}
+        got = elastic.run_processes(fns, may_die=(NODES4[3], NODES4[0]), timeout=300.0)
+    assert sorted(got) == NODES4[1:3]
+    for d, r in got.items():
+        assert r["released"] is not None, (d, r)
+        died, lost = r["tries"][:2]
+        assert len(r["tries"]) == 2, r["tries"]
+        assert died["code"] == 4 and died["same_job"], died
+        assert lost["code"] == 3 and lost["same_job"] and lost["error"].count("\n") == 0, lost
+        assert "node3:gpu0's buddy copy was on node0:gpu0, which failed too" in lost["error"]
+        rc = r["recovery"]
+        assert rc["failed"] == [NODES4[0], NODES4[3]] and rc["mode"] == "refill", (d, rc)
+        assert r["pre"] == [] and r["post"] == [], (d, r["pre"][:5])
+        assert r["losses"][0]["losses"] == r["losses"][1]["losses"], (d, r["losses"])

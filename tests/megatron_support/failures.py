@@ -430,3 +430,44 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
         return out
 
     return fn
+
+
+def buddy_fallback_worker(base: dict, device: str, devices: list[str], victim: str,
+                          in_recovery: str, ckpt_dir: str, global_batch: int, timeout: float,
+                          collective: float):
+    """A job with buddy copies loses ``victim`` (SIGKILL in a forward pass) and then, while the
+    survivors recover from the copies, ``in_recovery`` (SIGKILL building the destination):
+    the victim's buddy. The recovery fails (exit status 4, job kept); called again without a
+    checkpoint it is refused with exit status 3 (the copies died with the buddy); with the
+    checkpoint of the last finished iteration it refills from it."""
+    def fn(store) -> dict:
+        tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective,
+                             dying_build=device == in_recovery, buddy=True, refill=rec.refill,
+                             train_state=train_state)
+        for _ in range(2):
+            tr.step(job)
+            sw.snapshot(job)
+        ck = os.path.join(ckpt_dir, "it2")
+        tr.save(job, ck)
+        if device == victim:
+            _fail_in_forward(job, signal.SIGKILL)
+        out: dict = {"released": None}
+        try:
+            tr.step(job)
+        except Exception as err:  # noqa: BLE001 — what a survivor sees of a dead peer
+            out["released"] = type(err).__name__
+        tries, res = [], None
+        for checkpoint in (None, None, ck):
+            try:
+                res = sw.recover(job, checkpoint=checkpoint)
+                break
+            except RecoveryFailed as err:
+                tries.append({"code": err.exit_code, "error": str(err),
+                              "same_job": err.job is job})
+        out["tries"] = tries
+        if res is not None:
+            out.update(rec._checked(tr, sw, res, ck))
+        sw.close()
+        return out
+
+    return fn

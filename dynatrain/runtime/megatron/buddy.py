@@ -140,19 +140,23 @@ class BuddyCopy:
 
     def take(self, job: MegatronJob) -> None:
         """Copy this rank's state at this boundary, send it to the buddy, keep the ward's.
-        Every process of the job calls it at the same boundary, after the optimizer step.
+        Every process of the job calls it at the same boundary, after the optimizer step; a
+        second call at the same boundary (same iteration and step) does nothing.
 
         Raises:
             RuntimeError: the buddy or the ward died or hangs (after ``timeout``): the job's
                 collectives are broken too; ``recover``.
         """
         t0 = time.perf_counter()
+        tag = (job.iteration, read_step(job.optimizer))
+        if self.own and self.own[-1].tag == tag:
+            return  # this boundary's copy is taken (the same on every process)
         live = extract_state(self.view, self.rank, job.model_chunks, job.optimizer)
         flat = self._fresh(self.own, self._sizes[0])
         store = _views(flat, self._mine)
         for key, t in store.items():
             t.copy_(live[key])  # device to host
-        gen = Generation(job.iteration, read_step(job.optimizer), carried(job), flat, store)
+        gen = Generation(*tag, carried(job), flat, store)
         self.own.append(gen)
         t1 = time.perf_counter()
         pg = self._pg()
@@ -196,6 +200,18 @@ def newest_common(holds: Mapping[str, dict], failed: tuple[str, ...],
             return None
         common = (common or set()) & {tuple(t) for t in holds[keeper]["held"]}
     return max(common, key=lambda t: (t[1], t[0])) if common else None
+
+
+def why_none(holds: Mapping[str, dict] | None, failed: tuple[str, ...],
+             pairs: Mapping[str, str] | None) -> str:
+    """Why ``newest_common`` found no step to restore (for the line a refusal prints)."""
+    if holds is None or pairs is None:
+        return "no buddy copy of this layout was taken yet"
+    for d in failed:
+        keeper = pairs.get(d)
+        if keeper not in holds:
+            return f"{d}'s buddy copy was on {keeper}, which failed too"
+    return "the survivors' and the buddies' copies share no step"
 
 
 class Piece(NamedTuple):

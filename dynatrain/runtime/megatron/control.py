@@ -266,8 +266,17 @@ class LiveControl:
 
     def boundary(self, job: MegatronJob) -> MegatronJob | None:
         """Call on every process of the job at every iteration boundary; the job to train on
-        (None: this device left the job)."""
-        return self.switch(job) if self.due(job.iteration) else job
+        (None: this device left the job). With buddy copies (``LiveSwitcher(buddy=True)``) it
+        takes this step's copy first, and the new layout's first copy right after a switch, so
+        that a failure in the next iteration finds one."""
+        if self.sw.buddy:
+            self.sw.snapshot(job)
+        if not self.due(job.iteration):
+            return job
+        new = self.switch(job)
+        if new is not None and self.sw.buddy:
+            self.sw.snapshot(new)
+        return new
 
     def due(self, iteration: int) -> bool:
         """Whether the job switches at the boundary before ``iteration`` (every process of

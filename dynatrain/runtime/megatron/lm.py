@@ -627,6 +627,8 @@ class _Driver:
             job = self.control.switch(job)
             if job is not None:
                 self._carry_in(job, args)
+                if sw.buddy:  # the new layout's first copy, before its first step
+                    sw.snapshot(job)
 
     @staticmethod
     def _stop_interval_timer(timers: Any) -> None:
@@ -675,6 +677,8 @@ class _Driver:
             print(f"dynatrain: {_first_line(failed)}{where}", file=sys.stderr, flush=True)
             raise SystemExit(failed.exit_code) from failed
         self.control.recovered(result)
+        if result.job is not None and sw.buddy:  # the survivors' layout's first copy
+            sw.snapshot(result.job)
         if result.job is not None and sw.leader:
             r = result.recovery
             why = _first_line(err)[:120]

@@ -50,6 +50,7 @@ import hashlib
 import json
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -69,7 +70,7 @@ from ...planner.suggest import suggest
 from ..executor import process_devices, switch
 from ..storage import allocate, region, storage_layout
 from .bridge import extract_state, install_state, read_step
-from .buddy import BuddyCopy, fill_pieces, newest_common, run_fill
+from .buddy import BuddyCopy, fill_pieces, newest_common, run_fill, why_none
 from .check_job import check_job
 from .job import MegatronJob, RecoveryFailed, SwitchResult, carried, carry_into, parallel_kwargs
 from .rendezvous import Rendezvous
@@ -210,6 +211,7 @@ class Recovery:
         self.seconds: dict[str, float] = {}
         self._mark = time.perf_counter()
         self.filled = 0  # bytes a buddy recovery wrote into this rank's state from copies
+        self.copies_why: str | None = None  # why buddy copies could not restore the state
 
     def _lap(self, what: str) -> None:
         now = time.perf_counter()
@@ -335,25 +337,18 @@ class Recovery:
                               "processes of the switch (it must leave out plan.stats['failed'])")
         lost = LostState.from_json(plan.stats["lost"])
         one_step = len(set(steps.values())) == 1 and not _gather_in_flight(self.job)
-        if holds is not None and rollback is not True and not (one_step and not lost):
-            got = self._from_copies(dst_spec, gone, holds)
+        if sw.buddy and rollback is not True and not (one_step and not lost):
+            got = self._from_copies(dst_spec, gone, holds) if holds is not None else None
             if got is not None:
                 return got
+            if holds is None:
+                self.copies_why = why_none(None, (), None)
         rank = dst.devices.index(self.me) if self.me in dst.devices else None
         mode, write, carry = self._restore(dst, rank, lost, steps, checkpoint, rollback)
         src_view, dst_view = transition_views(src, dst)
         src_store = None
         if mode != "rollback":  # a rollback moves nothing: it reloads everything
-            # The job must run what its spec says (no collective: safe with broken groups).
-            # megatron's sharded_state_dict, which it reads, needs megatron's parallel state;
-            # a switch that failed past its exchange and could not form the source layout
-            # again (a device died) leaves none, and checked this very job as it began.
-            from megatron.core import parallel_state as ps
-
-            checked = sw.checked() if sw.checked is not None else None
-            if ps.model_parallel_is_initialized() or checked is not self.job:
-                check_job(src, src.devices.index(self.me), self.job.model_chunks,
-                          self.job.optimizer)
+            self._check_job()
             src_store = extract_state(src_view, src.devices.index(self.me),
                                       self.job.model_chunks, self.job.optimizer)
         doc = plan_to_json(plan)
@@ -374,6 +369,7 @@ class Recovery:
         failed = tuple(d for d in src.devices if d in gone)
         tag = newest_common(holds, failed, copies.pairs) if copies is not None else None
         if tag is None:
+            self.copies_why = why_none(holds, failed, copies.pairs if copies else None)
             return None
         state = dst_spec.state.model_copy(update={"derive_param": True})
         dst = Layout(dst_spec.model_copy(update={"state": state}))
@@ -384,6 +380,7 @@ class Recovery:
         src_view, dst_view = transition_views(src, dst)
         holders = {d: copies.pairs[d] for d in failed}
         pieces = fill_pieces(src_view, dst_view, lost, holders)
+        self._check_job(needed=False)
         own = copies.own_at(tag)
         ward = copies.ward if copies.ward in gone else None
         held = copies.held_at(tag).store if ward is not None else None
@@ -403,6 +400,29 @@ class Recovery:
                                  digest_size=16).hexdigest()
         return RecoveryPlan(digest, dst_spec, dst, plan, lost, "buddy", None, own.carry,
                             src_store, fill)
+
+    def _check_job(self, needed: bool = True) -> None:
+        """The job must run what its spec says (no collective: safe with broken groups),
+        checked once per job. megatron's ``sharded_state_dict``, which ``check_job`` reads,
+        needs megatron's parallel state: a switch or recovery that failed after tearing it down
+        leaves none, and checked this very job as it began (``sw.checked``). ``needed=False``:
+        a recovery from buddy copies, whose copies ``extract_state`` bound to the layout when
+        they were taken, checks only while it can."""
+        from megatron.core import parallel_state as ps
+
+        sw = self.sw
+        checked = sw.checked() if sw.checked is not None else None
+        if checked is self.job:
+            return
+        if not ps.model_parallel_is_initialized():
+            if needed:
+                raise LayoutError("the job was never checked against its layout and megatron's "
+                                  "parallel state is gone: recover by rolling back "
+                                  "(rollback=True with a checkpoint)")
+            return
+        check_job(self.src, self.src.devices.index(self.me), self.job.model_chunks,
+                  self.job.optimizer)
+        sw.checked = weakref.ref(self.job)
 
     def _copies(self) -> BuddyCopy | None:
         """The buddy copies of the job's current layout, if any were kept."""
@@ -451,6 +471,8 @@ class Recovery:
             ahead = ", ".join(f"{d} at iteration {i}, step {s}" for d, (i, s) in steps.items())
             need = (f"the survivors hold different steps ({ahead}): the failure struck inside "
                     "an optimizer step")
+        if self.copies_why is not None:
+            need += f" (buddy copies cannot restore it: {self.copies_why})"
         if checkpoint is None or sw.refill is None:
             raise LostForGood(f"{need}, and no checkpoint restores it (recover needs "
                               "checkpoint= and a LiveSwitcher refill: a checkpoint of this step "

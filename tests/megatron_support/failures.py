@@ -402,6 +402,7 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
             oracle = os.path.join(ckpt_dir, f"oracle{n}")
             tr.save(job, oracle)
             if device == plant:
+                sw._buddy.finish()  # the newest copy in hand
                 old, new = sw._buddy.held[-2:]
                 sw._buddy.held[-1] = Generation(new.iteration, new.step, None, old.flat,
                                                 old.store)

@@ -5,15 +5,17 @@ loses nothing that a checkpoint must restore.
 Why two generations, on both sides. ``take`` runs at a step boundary (after the optimizer step
 and the parameter all-gather): it copies this rank's state except the bf16 parameters (the fp32
 main params, Adam's moments and step, module buffers such as the router's expert bias) into
-host memory, then sends that copy to the buddy and receives its ward's, point to point. A
-device ``d`` that dies leaves the survivors in one of these states (``m`` the lowest Adam step
-a survivor holds):
+host memory, then sends that copy to the buddy and receives its ward's, point to point, in the
+background during the next forward and backward passes; the next optimizer step waits for that
+exchange before it begins (before its grad-norm all-reduce). A device ``d`` that dies leaves
+the survivors in one of these states (``m`` the lowest Adam step a survivor holds):
 
 * all survivors at ``m`` and ``d``'s copy of ``m`` reached its buddy: restore ``m``;
-* all at ``m`` but ``d`` died between its step ``m`` and its send (the survivors are in the
-  next forward pass or blocked in the all-gather): ``d``'s buddy holds ``m - 1`` only;
+* all at ``m`` but ``d`` died before its copy of ``m`` arrived (the survivors are in the next
+  forward or backward pass, or blocked in the all-gather): ``d``'s buddy holds ``m - 1`` only;
 * some survivors at ``m + 1`` (the failure struck inside the optimizer step, after the
-  grad-norm all-reduce every rank took part in, so every rank finished its send of ``m``).
+  grad-norm all-reduce every rank took part in, so every rank had finished its exchange of
+  ``m``).
 
 A survivor is never more than one step ahead of the newest copy the dead device's buddy holds,
 so two generations on each side always hold one step that every survivor and every lost shard
@@ -23,8 +25,9 @@ during the exchange (``fill_pieces`` / ``run_fill``); the bf16 parameters are th
 the main params (``state.derive_param``), exactly as megatron's own cast does. The generation
 carries its iteration, consumed samples and scheduler, so the data resumes at that step.
 
-Cost: four copies of a rank's non-parameter state in host memory (``host_bytes``), and one
-device-to-host copy plus one send and one receive of it per step (``bench/buddy_bench.py``).
+Cost: four copies of a rank's non-parameter state in host memory (``host_bytes``), and per
+step one device-to-host copy at the boundary plus one send and one receive that run during the
+next forward and backward passes (``bench/recovery_bench.py``'s buddy way measures both).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from .bridge import extract_state, read_step
 from .job import MegatronJob, carried
 
 KEEP = 2  # generations kept on each side (see the module docstring)
+POLL_S = 1.0  # how long a recovery waits for a ward's copy already on its way
 _ALIGN = 8  # every tensor of a generation starts at a multiple of 8 bytes of its buffer
 
 
@@ -116,7 +120,8 @@ class BuddyCopy:
         self.own: list[Generation] = []  # oldest first
         self.held: list[Generation] = []  # the ward's, oldest first
         self._group: dist.ProcessGroup | None = None
-        self.seconds = {"copy": 0.0, "exchange": 0.0}  # of the last take
+        self._pending: tuple | None = None  # the exchange take started
+        self.seconds: dict[str, float] = {}  # of the last take (copy, post, wait, exchange)
 
     def _pg(self) -> dist.ProcessGroup:
         """A gloo group of the job's world, made at the first ``take`` (a collective: every
@@ -139,18 +144,22 @@ class BuddyCopy:
         return torch.empty(size, dtype=torch.uint8)
 
     def take(self, job: MegatronJob) -> None:
-        """Copy this rank's state at this boundary, send it to the buddy, keep the ward's.
-        Every process of the job calls it at the same boundary, after the optimizer step; a
-        second call at the same boundary (same iteration and step) does nothing.
+        """Copy this rank's state at this boundary to host memory and start sending it to the
+        buddy (and receiving the ward's) in the background: the exchange overlaps the next
+        forward and backward passes and is waited for (``finish``) when the job's optimizer
+        step begins, before its grad-norm all-reduce, which the module docstring's argument
+        needs. Every process of the job calls it at the same boundary, after the optimizer
+        step; a second call at the same boundary (same iteration and step) does nothing.
 
         Raises:
-            RuntimeError: the buddy or the ward died or hangs (after ``timeout``): the job's
-                collectives are broken too; ``recover``.
+            RuntimeError: the previous exchange failed: the buddy or the ward died or hangs
+                (after ``timeout``); the job's collectives are broken too: ``recover``.
         """
-        t0 = time.perf_counter()
         tag = (job.iteration, read_step(job.optimizer))
         if self.own and self.own[-1].tag == tag:
             return  # this boundary's copy is taken (the same on every process)
+        self.finish()
+        t0 = time.perf_counter()
         live = extract_state(self.view, self.rank, job.model_chunks, job.optimizer)
         flat = self._fresh(self.own, self._sizes[0])
         store = _views(flat, self._mine)
@@ -163,18 +172,63 @@ class BuddyCopy:
         into = self._fresh(self.held, self._sizes[1])
         tag_in = torch.zeros(2, dtype=torch.int64)
         buddy, ward = (self.layout.devices.index(d) for d in (self.buddy, self.ward))
-        works = [dist.isend(torch.tensor(gen.tag, dtype=torch.int64), buddy, group=pg, tag=1),
-                 dist.isend(flat, buddy, group=pg, tag=2),
-                 dist.irecv(tag_in, ward, group=pg, tag=1),
+        sends = [dist.isend(torch.tensor(gen.tag, dtype=torch.int64), buddy, group=pg, tag=1),
+                 dist.isend(flat, buddy, group=pg, tag=2)]
+        recvs = [dist.irecv(tag_in, ward, group=pg, tag=1),
                  dist.irecv(into, ward, group=pg, tag=2)]
-        for w in works:
+        self._pending = (sends, recvs, tag_in, into, t1)
+        self._arm(job)
+        self.seconds = {"copy": t1 - t0, "post": time.perf_counter() - t1}
+
+    def _arm(self, job: MegatronJob) -> None:
+        """Make the job's optimizer step wait for the exchange first (once per job)."""
+        opt = job.optimizer
+        if getattr(opt, "_dynatrain_copies", None) is self:
+            return
+        real = opt.step
+
+        def step(*args, **kwargs):
+            self.finish()
+            return real(*args, **kwargs)
+
+        opt.step, opt._dynatrain_copies = step, self
+
+    def finish(self) -> None:
+        """Wait for the exchange ``take`` started and keep the ward's copy (nothing pending:
+        nothing to do). Its seconds go to ``seconds``: ``wait`` is what the job waited."""
+        if self._pending is None:
+            return
+        sends, recvs, tag_in, into, posted = self._pending
+        t0 = time.perf_counter()
+        self._pending = None
+        for w in recvs + sends:
             w.wait(datetime.timedelta(seconds=self.timeout))
+        self._keep(tag_in, into)
+        self.seconds.update(wait=time.perf_counter() - t0, exchange=time.perf_counter() - posted)
+
+    def _keep(self, tag_in: torch.Tensor, into: torch.Tensor) -> None:
         it, step = (int(x) for x in tag_in)
         self.held.append(Generation(it, step, None, into, _views(into, self._theirs)))
-        self.seconds = {"copy": t1 - t0, "exchange": time.perf_counter() - t1}
+
+    def poll(self, within: float = POLL_S) -> None:
+        """Keep the ward's copy if it has arrived, waiting at most ``within`` seconds for it (a
+        recovery: the exchange of a job whose peer died may never finish, and its group is
+        about to go). A receive is only known complete once waited for (gloo)."""
+        if self._pending is None:
+            return
+        sends, recvs, tag_in, into, _ = self._pending
+        self._pending = None
+        try:
+            for w in recvs:
+                w.wait(datetime.timedelta(seconds=min(within, self.timeout)))
+        except RuntimeError:  # never arrived: the ward died before it sent, or hangs
+            return
+        self._keep(tag_in, into)
 
     def tags(self) -> dict:
-        """What this process holds: its own generations and its ward's, as (iteration, step)."""
+        """What this process holds: its own generations and its ward's, as (iteration, step)
+        (a ward's copy that has arrived counts, its exchange finished or not)."""
+        self.poll()
         return {"own": [list(g.tag) for g in self.own], "held": [list(g.tag) for g in self.held],
                 "ward": self.ward}
 

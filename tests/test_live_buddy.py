@@ -16,6 +16,8 @@ import os
 import tempfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynatrain.ir.errors import DynatrainError
 from dynatrain.ir.layout import Layout
@@ -221,3 +223,33 @@ def test_a_device_and_its_buddy_both_lost_fall_back_to_the_checkpoint() -> None:
         assert rc["failed"] == [NODES4[0], NODES4[3]] and rc["mode"] == "refill", (d, rc)
         assert r["pre"] == [] and r["post"] == [], (d, r["pre"][:5])
         assert r["losses"][0]["losses"] == r["losses"][1]["losses"], (d, r["losses"])
+
+
+FOUR_PHASES = ("forward", "reduce_scatter", "optimizer_step", "param_all_gather")
+
+
+@pytest.mark.slow  # the fixed list above covers each phase; this draws combinations (deep run)
+@settings(max_examples=6, deadline=None)
+@given(phase=st.sampled_from(FOUR_PHASES), victim=st.integers(1, 3), whole_node=st.booleans())
+def test_buddy_copies_restore_a_drawn_failure(phase: str, victim: int, whole_node: bool) -> None:
+    """A drawn phase and victim (a device of DP4 on four one-device nodes, or a whole node of
+    TP2·DP2 on two nodes of two): the recovery uses the copies, restores the last finished
+    step or the one before, and equals megatron's reload of the checkpoint of that step."""
+    if whole_node:
+        base, devices = case("buddy-drawn-node", 4, tp=2, **MODEL), TWO_BY_TWO
+        dying = tuple(TWO_BY_TWO[2:])
+    else:
+        base, devices = case("buddy-drawn", 4, **MODEL), NODES4
+        dying = (NODES4[victim],)
+    with tempfile.TemporaryDirectory(prefix="live_buddy_drawn_") as ckpt:
+        fns = {d: fl.buddy_worker(base, d, devices, [(dying, phase)], ckpt, 12, TIMEOUT,
+                                  COLLECTIVE) for d in devices}
+        got = elastic.run_processes(fns, may_die=dying, timeout=300.0)
+    assert sorted(got) == sorted(d for d in devices if d not in dying)
+    for d, r in got.items():
+        e = r[phase]
+        rc = e["recovery"]
+        assert rc["failed"] == sorted(dying) and rc["mode"] == "buddy", (d, rc)
+        assert rc["iteration"] in (1, 2), rc  # the failure struck iteration 3
+        if e["role"] == "stayed":
+            _assert_equal_to_reload(d, e)

@@ -384,23 +384,32 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
     """A DistributedOptimizer job with one optimizer instance and buddy copies
     (``LiveSwitcher(buddy=True)``, ``snapshot`` after every step) loses, per entry of
     ``victims`` (devices, phase), those devices inside an iteration (``_die_in``'s phases, or
-    ``forward``: SIGKILL in the forward pass) and recovers with no checkpoint. Before each
-    failing iteration a checkpoint is saved for the test's oracle only. With ``plant``, that
-    device's copy of its ward is made one step behind (the bytes of the step before, the tag
-    of the newest): the recovered state must then differ from the oracle. Each survivor's
+    ``forward``: SIGKILL in the forward pass) and recovers with no checkpoint. At every
+    boundary a checkpoint is saved for the test's oracle only: each recovery is compared with
+    the one of the iteration it restored. With ``plant``, that device's copy of its ward is
+    made one step behind (the bytes of the step before, the tag of the newest) before the
+    first failure: the recovered state must then differ from the oracle. Each survivor's
     result of each recovery is also written to ``<ckpt_dir>/<phase>-<device>.json``."""
     def fn(store) -> dict:
         from dynatrain.runtime.megatron.buddy import Generation
 
         tr, job, sw = _start(store, base, device, devices, global_batch, timeout, collective,
                              buddy=True)
+        saved: dict[int, str] = {}  # iteration -> the newest checkpoint of it
+        count = [0]  # saves so far: the same path on every process
+
+        def save(job) -> None:
+            count[0] += 1
+            path = os.path.join(ckpt_dir, f"ck{count[0]}-it{job.iteration}")
+            tr.save(job, path)
+            saved[job.iteration] = path
+
         out: dict = {"snapshot": []}
         for _ in range(2):
             tr.step(job)
             out["snapshot"].append(sw.snapshot(job))
+            save(job)
         for n, (dying, phase) in enumerate(victims):
-            oracle = os.path.join(ckpt_dir, f"oracle{n}")
-            tr.save(job, oracle)
             if device == plant:
                 sw._buddy.finish()  # the newest copy in hand
                 old, new = sw._buddy.held[-2:]
@@ -418,6 +427,7 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
             except Exception as err:  # noqa: BLE001 — what a survivor sees of a dead peer
                 released = type(err).__name__
             res = sw.recover(job)  # no checkpoint
+            oracle = saved[res.recovery["iteration"]]
             out[phase] = rec._checked(tr, sw, res, oracle)  # trains one more iteration
             out[phase]["released"] = released
             # Kept on disk too: a survivor that a later phase kills returns no result.
@@ -427,6 +437,7 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
             if job is None:
                 break
             sw.snapshot(job)
+            save(job)
         sw.close()
         return out
 

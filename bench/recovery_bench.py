@@ -341,7 +341,10 @@ def model(args) -> list[dict]:
                 params, opt = rank_elements(Layout(s), 0)
                 # Four copies of a rank's optimizer state (two steps, its own and its ward's).
                 row["buddy_host_bytes_per_device"] = 4 * opt * opt_bytes
-                row["buddy_copy_seconds_per_step"] = opt * opt_bytes / (args.nic_GBps * 1e9)
+                # What a step waits for: the copy to host at the boundary (the exchange with
+                # the buddy overlaps the next passes; at these sizes it fits in them).
+                row["buddy_copy_seconds_per_step"] = opt * opt_bytes / (args.d2h_GBps * 1e9)
+                row["buddy_exchange_seconds_per_step"] = opt * opt_bytes / (args.nic_GBps * 1e9)
                 row["way"] = "refill (checkpoint of this step), rollback or buddy copies"
             rows.append(row)
     return rows
@@ -357,6 +360,8 @@ def main() -> None:
     ap.add_argument("--detect-s", type=float, default=1.5, help="dead heartbeat (assumed)")
     ap.add_argument("--nic-GBps", type=float, default=25.0,
                     help="host-to-host bandwidth per GPU for buddy copies, GB/s (assumed)")
+    ap.add_argument("--d2h-GBps", type=float, default=25.0,
+                    help="device-to-host copy bandwidth per GPU for buddy copies, GB/s (assumed)")
     ap.add_argument("--groups-s", type=float, default=5.0,
                     help="forming the destination's NCCL groups at scale (assumed)")
     ap.add_argument("--build-s", type=float, default=5.0,
@@ -396,13 +401,16 @@ def main() -> None:
         print(f"\nmodelled (an estimate: plan measured here, exchange from the H100 wire model; "
               f"assumed: detect {args.detect_s} s, groups {args.groups_s} s, build "
               f"{args.build_s} s, checkpoint reads {args.read_GBps} GB/s per device, buddy "
-              f"copies {args.nic_GBps} GB/s per GPU)")
+              f"copies {args.d2h_GBps} GB/s to host and {args.nic_GBps} GB/s between hosts per "
+              "GPU)")
         for r in rows:
             ways = (f"exchange {r['total_seconds']:.1f} s" if "total_seconds" in r else
                     f"refill {r['refill']:.1f} s, rollback {r['rollback']:.1f} s + the "
                     f"iterations since the checkpoint, buddy copies {r['buddy']:.1f} s "
-                    f"({r['buddy_host_bytes_per_device'] / 2**30:.0f} GiB host memory per GPU, "
-                    f"{r['buddy_copy_seconds_per_step']:.2f} s of copy per step)")
+                    f"({r['buddy_host_bytes_per_device'] / 2**30:.0f} GiB host memory per GPU; "
+                    f"per step a {r['buddy_copy_seconds_per_step']:.2f} s copy to host and a "
+                    f"{r['buddy_exchange_seconds_per_step']:.2f} s exchange overlapping the "
+                    "next passes)")
             print(f"  {r['src']} minus {r['failed']}, {r['instances']} optimizer instance(s): "
                   f"lost {r['lost_bytes'] / 2**30:.1f} GiB, plan {r['plan_seconds']:.1f} s, "
                   f"exchange {r['exchange_seconds']:.2f} s; {ways}")
@@ -416,7 +424,7 @@ def main() -> None:
                    "measured": measured, "model": rows, "peers": PEERS,
                    "assumptions": {k: getattr(args, k) for k in
                                    ("read_GBps", "detect_s", "groups_s", "build_s",
-                                    "nic_GBps")}},
+                                    "nic_GBps", "d2h_GBps")}},
                   f, indent=2)
     print(f"wrote {args.out}")
 

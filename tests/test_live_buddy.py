@@ -96,6 +96,23 @@ def test_a_whole_node_comes_back_from_its_buddies() -> None:
     assert any(r["forward"]["role"] == "stayed" for r in got.values())
 
 
+def test_a_hung_device_comes_back_from_its_buddy() -> None:
+    """DP2 on two nodes: node1 stops (SIGSTOP: its sockets stay open) in a forward pass.
+    node0's collective is released by the 6 s group timeout, the stopped heartbeat names
+    node1, and node0 goes on alone from node1's copy, bit for bit megatron's reload."""
+    base = case("buddy-hang", 2, **MODEL)
+    devices = NODES4[:2]
+    with tempfile.TemporaryDirectory(prefix="live_buddy_hang_") as ckpt:
+        fns = {d: fl.buddy_worker(base, d, devices, [((devices[1],), "forward_stop")], ckpt,
+                                  12, TIMEOUT, COLLECTIVE) for d in devices}
+        got = elastic.run_processes(fns, may_die=(devices[1],), timeout=300.0)
+    e = got[devices[0]]["forward_stop"]
+    assert e["released"] is not None, e
+    rc = e["recovery"]
+    assert rc["failed"] == [devices[1]] and rc["mode"] == "buddy" and rc["iteration"] == 2, rc
+    _assert_equal_to_reload(devices[0], e)
+
+
 def test_a_copy_one_step_behind_is_caught_by_the_comparison() -> None:
     """The same recovery with node0's copy of node1 planted one step behind (the bytes of the
     step before under the newest tag) must not equal megatron's reload: the check can fail."""
@@ -225,12 +242,13 @@ def test_a_device_and_its_buddy_both_lost_fall_back_to_the_checkpoint() -> None:
         assert r["losses"][0]["losses"] == r["losses"][1]["losses"], (d, r["losses"])
 
 
-FOUR_PHASES = ("forward", "reduce_scatter", "optimizer_step", "param_all_gather")
+DRAWN_PHASES = ("forward", "forward_stop", "reduce_scatter", "optimizer_step",
+                "param_all_gather")
 
 
 @pytest.mark.slow  # the fixed list above covers each phase; this draws combinations (deep run)
 @settings(max_examples=6, deadline=None)
-@given(phase=st.sampled_from(FOUR_PHASES), victim=st.integers(1, 3), whole_node=st.booleans())
+@given(phase=st.sampled_from(DRAWN_PHASES), victim=st.integers(1, 3), whole_node=st.booleans())
 def test_buddy_copies_restore_a_drawn_failure(phase: str, victim: int, whole_node: bool) -> None:
     """A drawn phase and victim (a device of DP4 on four one-device nodes, or a whole node of
     TP2·DP2 on two nodes of two): the recovery uses the copies, restores the last finished

@@ -383,8 +383,9 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
                  plant: str | None = None):
     """A DistributedOptimizer job with one optimizer instance and buddy copies
     (``LiveSwitcher(buddy=True)``, ``snapshot`` after every step) loses, per entry of
-    ``victims`` (devices, phase), those devices inside an iteration (``_die_in``'s phases, or
-    ``forward``: SIGKILL in the forward pass) and recovers with no checkpoint. At every
+    ``victims`` (devices, phase), those devices inside an iteration (``_die_in``'s phases,
+    ``forward``: SIGKILL in the forward pass, or ``forward_stop``: SIGSTOP there, a hang the
+    group timeout releases) and recovers with no checkpoint. At every
     boundary a checkpoint is saved for the test's oracle only: each recovery is compared with
     the one of the iteration it restored. With ``plant``, that device's copy of its ward is
     made one step behind (the bytes of the step before, the tag of the newest) before the
@@ -415,9 +416,11 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
                 old, new = sw._buddy.held[-2:]
                 sw._buddy.held[-1] = Generation(new.iteration, new.step, None, old.flat,
                                                 old.store)
+            store.set(f"test/pid/{device}", str(os.getpid()))
             if device in dying:
-                if phase == "forward":
-                    _fail_in_forward(job, signal.SIGKILL)
+                if phase in ("forward", "forward_stop"):
+                    _fail_in_forward(job, signal.SIGSTOP if phase == "forward_stop"
+                                     else signal.SIGKILL)
                 else:
                     _die_in(phase, job)
             try:
@@ -427,6 +430,9 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
             except Exception as err:  # noqa: BLE001 — what a survivor sees of a dead peer
                 released = type(err).__name__
             res = sw.recover(job)  # no checkpoint
+            if phase == "forward_stop" and res.job is not None and sw.layout.devices[0] == device:
+                for d in dying:  # clean up the hang
+                    os.kill(int(store.get(f"test/pid/{d}")), signal.SIGKILL)
             oracle = saved[res.recovery["iteration"]]
             out[phase] = rec._checked(tr, sw, res, oracle)  # trains one more iteration
             out[phase]["released"] = released

@@ -722,15 +722,17 @@ class LiveSwitcher:
     def snapshot(self, job: MegatronJob) -> dict[str, float]:
         """Take this step's buddy copy (``buddy=True``): every process of the job calls it at
         the same boundary, after the optimizer step. The first call after a switch or a
-        recovery pairs the devices of the new layout. Returns the seconds of its device-to-host
-        copy and of its exchange with the buddy; ``{}`` when the layout allows no copies (its
-        devices on one node: ``buddy_why`` says why, a warning is logged once, and a failure
-        falls back to a checkpoint until a layout allows them again).
+        recovery pairs the devices of the new layout. The exchange with the buddy runs in the
+        background; the job's next optimizer step waits for it before it begins. Returns the
+        seconds of the copy to host and of posting the exchange (``buddy.BuddyCopy.seconds``
+        gets what the next step waited once it finished); ``{}`` when the layout allows no
+        copies (its devices on one node: ``buddy_why`` says why, a warning is logged once, and
+        a failure falls back to a checkpoint until a layout allows them again).
 
         Raises:
             DynatrainError: the switcher keeps no copies, or runs no rank.
-            RuntimeError: the buddy or the ward died or hangs (after ``collective_timeout``):
-                ``recover``.
+            RuntimeError: the last exchange failed: the buddy or the ward died or hangs (after
+                ``collective_timeout``): ``recover``.
         """
         if not self.buddy or self.layout is None:
             raise DynatrainError(f"{self.device}: snapshot() needs LiveSwitcher(buddy=True) "

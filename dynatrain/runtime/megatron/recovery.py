@@ -384,6 +384,8 @@ class Recovery:
         own = copies.own_at(tag)
         ward = copies.ward if copies.ward in gone else None
         held = copies.held_at(tag).store if ward is not None else None
+        if held is not None:
+            _check_copy(src_view, src.devices.index(ward), held)
         on = _device(self.rdzv.backend)
         src_store = {k: t.to(on) for k, t in own.store.items()}
         _check_copy(src_view, src.devices.index(self.me), own.store)

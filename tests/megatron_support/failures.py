@@ -181,16 +181,17 @@ def redundant_worker(base: dict, device: str, devices: list[str], killed: tuple[
     return fn
 
 
-def _die_in(phase: str, job) -> None:
-    """SIGKILL this process when it enters ``phase`` of its next iteration: the gradient
-    reduce-scatter, its optimizer's own step (after the grad-norm all-reduce every rank took
-    part in) or the parameter all-gather that ends the step."""
+def _die_in(phase: str, job, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to this process when it enters ``phase`` of its next iteration (SIGKILL:
+    it dies; SIGSTOP: it hangs): the gradient reduce-scatter, its optimizer's own step (after
+    the grad-norm all-reduce every rank took part in) or the parameter all-gather that ends
+    the step."""
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
     from dynatrain.runtime.megatron.bridge import _leaf_optimizers
 
     def die(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
 
     if phase == "reduce_scatter":
         buffers.dist_reduce_scatter_func = die
@@ -383,9 +384,9 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
                  plant: str | None = None):
     """A DistributedOptimizer job with one optimizer instance and buddy copies
     (``LiveSwitcher(buddy=True)``, ``snapshot`` after every step) loses, per entry of
-    ``victims`` (devices, phase), those devices inside an iteration (``_die_in``'s phases,
-    ``forward``: SIGKILL in the forward pass, or ``forward_stop``: SIGSTOP there, a hang the
-    group timeout releases) and recovers with no checkpoint. At every
+    ``victims`` (devices, phase), those devices inside an iteration (``_die_in``'s phases or
+    ``forward``, SIGKILLed; the same phase with ``_stop`` appended: SIGSTOPped there, a hang
+    the group timeout releases) and recovers with no checkpoint. At every
     boundary a checkpoint is saved for the test's oracle only: each recovery is compared with
     the one of the iteration it restored. With ``plant``, that device's copy of its ward is
     made one step behind (the bytes of the step before, the tag of the newest) before the
@@ -417,12 +418,12 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
                 sw._buddy.held[-1] = Generation(new.iteration, new.step, None, old.flat,
                                                 old.store)
             store.set(f"test/pid/{device}", str(os.getpid()))
+            sig = signal.SIGSTOP if phase.endswith("_stop") else signal.SIGKILL
             if device in dying:
-                if phase in ("forward", "forward_stop"):
-                    _fail_in_forward(job, signal.SIGSTOP if phase == "forward_stop"
-                                     else signal.SIGKILL)
+                if phase.startswith("forward"):
+                    _fail_in_forward(job, sig)
                 else:
-                    _die_in(phase, job)
+                    _die_in(phase.removesuffix("_stop"), job, sig)
             try:
                 tr.step(job)
                 sw.snapshot(job)
@@ -430,7 +431,7 @@ def buddy_worker(base: dict, device: str, devices: list[str], victims: list[tupl
             except Exception as err:  # noqa: BLE001 — what a survivor sees of a dead peer
                 released = type(err).__name__
             res = sw.recover(job)  # no checkpoint
-            if phase == "forward_stop" and res.job is not None and sw.layout.devices[0] == device:
+            if sig == signal.SIGSTOP and res.job is not None and sw.layout.devices[0] == device:
                 for d in dying:  # clean up the hang
                     os.kill(int(store.get(f"test/pid/{d}")), signal.SIGKILL)
             oracle = saved[res.recovery["iteration"]]

@@ -207,7 +207,7 @@ def test_plan_and_suggest_say_what_buddy_copies_would_restore() -> None:
         "node1:gpu0": "node0:gpu0", "node1:gpu1": "node0:gpu1"}
     assert "nothing is lost" in whole_node.line() and "node0" in whole_node.line()
     pair = cover(spec, TWO_BY_TWO, ["node0:gpu0", "node1:gpu0"])  # each the other's buddy
-    assert pair.uncovered == {"node0:gpu0", "node1:gpu0"} and "lost their buddy" in pair.line()
+    assert pair.uncovered == ("node0:gpu0", "node1:gpu0") and "lost their buddy" in pair.line()
     one_node = cover(spec, ["node0:gpu0", "node0:gpu1", "node0:gpu2", "node0:gpu3"],
                      ["node0:gpu3"])
     assert one_node.why_none is not None and "two nodes" in one_node.line()

@@ -9,16 +9,11 @@ Python: ``suggest`` and ``plan`` report it without torch.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..ir.errors import DynatrainError
-
-
-def node_of(device: str) -> str:
-    """The node of ``node3:gpu5``: ``node3`` (a device without ``:`` is its own node)."""
-    return device.split(":", 1)[0]
+from .sources import node_of
 
 
 def buddy_pairs(devices: Sequence[str]) -> dict[str, str]:
@@ -66,8 +61,8 @@ class BuddyCover:
     """What buddy copies would restore when ``failed`` devices of a layout die."""
 
     failed: frozenset[str]
-    holders: dict[str, str]  # failed device -> its buddy, for those whose buddy survives
-    uncovered: frozenset[str]  # failed devices whose buddy failed too
+    holders: dict[str, str]  # failed device -> its buddy where that survives, in rank order
+    uncovered: tuple[str, ...]  # failed devices whose buddy failed too, in rank order
     why_none: str | None  # the layout keeps no copies, and why
 
     def line(self) -> str:
@@ -75,18 +70,18 @@ class BuddyCover:
         if self.why_none is not None:
             return f"with buddy copies: none on this layout ({self.why_none})"
         if not self.uncovered:
-            nodes = sorted({node_of(h) for h in self.holders.values()}, key=_natural)
+            nodes = list(dict.fromkeys(node_of(h) for h in self.holders.values()))
             return (f"with buddy copies (LiveSwitcher(buddy=True)): nothing is lost; the "
                     f"{len(self.failed)} failed devices' state comes back from their buddies "
                     f"on {', '.join(nodes[:4])}{', ...' if len(nodes) > 4 else ''}")
-        gone = sorted(self.uncovered, key=_natural)
+        gone = self.uncovered
         return (f"with buddy copies: {len(gone)} failed devices lost their buddy too "
                 f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): what only they "
                 "held is lost as above")
 
     def to_json(self) -> dict:
-        return {"why_none": self.why_none, "uncovered": sorted(self.uncovered),
-                "holders": dict(sorted(self.holders.items()))}
+        return {"why_none": self.why_none, "uncovered": list(self.uncovered),
+                "holders": dict(self.holders)}
 
 
 def cover(spec, devices: Sequence[str], failed: Iterable[str]) -> BuddyCover:
@@ -96,10 +91,8 @@ def cover(spec, devices: Sequence[str], failed: Iterable[str]) -> BuddyCover:
         check_buddy_spec(spec)
         pairs = buddy_pairs(devices)
     except DynatrainError as err:
-        return BuddyCover(gone, {}, gone, str(err).removeprefix("buddy copies: "))
+        in_order = tuple(d for d in devices if d in gone)
+        return BuddyCover(gone, {}, in_order, str(err).removeprefix("buddy copies: "))
     lost = uncovered(gone, pairs)
-    return BuddyCover(gone, {d: pairs[d] for d in gone - lost}, lost, None)
-
-
-def _natural(d: str) -> tuple:
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", d))
+    return BuddyCover(gone, {d: pairs[d] for d in devices if d in gone - lost},
+                      tuple(d for d in devices if d in lost), None)

@@ -8,6 +8,9 @@ For each size (16 MiB, 256 MiB and, on CUDA, 1 GiB) it times, best of the repeat
 - old: the previous definition's code, kept here (16-bit words, float64 sums and dot products
   per 1 MiB chunk, a Python loop over the chunks), for comparison;
 - copy: one plain contiguous ``copy_`` of as many bytes, the device's own copy bandwidth;
+- on CPU also the check a gloo switch runs instead: ``runtime.fingerprint.word_sums`` (64-bit
+  word sums through numpy), and ``zlib.crc32`` of the same bytes (the previous CPU check; a
+  strided view copied block by block as it did);
 
 each on a contiguous segment and on a strided one (rows of 8 KiB, 16 KiB apart: half the
 columns of a matrix, as a row-parallel slice is). Bandwidth counts each byte once; ``vs copy``
@@ -22,6 +25,7 @@ import argparse
 import json
 import platform
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -86,6 +90,17 @@ def _old_fold(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pos: int, on: t
     return (a + c) % fp.PRIME, (b + ((pos + 1) % fp.PRIME) * c + cw) % fp.PRIME, pos + w.numel()
 
 
+def _crc32(view: torch.Tensor) -> int:
+    """The previous CPU check: CRC-32 of the row-major bytes, strided rows copied in blocks."""
+    x = fp._canonical(view)
+    if x.dim() == 1:
+        return zlib.crc32(x.numpy())
+    crc = 0
+    for block, _, _ in fp._blocks(x, 0):
+        crc = zlib.crc32(block.contiguous().numpy(), crc)
+    return crc
+
+
 # ----- the measurement -----------------------------------------------------------------------------
 
 def measure(device: torch.device, sizes: list[int], repeats: int, old: bool) -> list[dict]:
@@ -102,6 +117,13 @@ def measure(device: torch.device, sizes: list[int], repeats: int, old: bool) -> 
         for name, view in cases.items():
             assert view.numel() == size
             t_new = best(lambda: fp.fingerprint([view], device).tolist(), repeats)
+            cpu = {}
+            if device.type == "cpu":
+                t_words = best(lambda: fp.word_sums([view]), repeats)
+                t_crc = best(lambda: _crc32(view), repeats)
+                cpu = {"word_sums_seconds": t_words, "word_sums_gbps": size / t_words / 1e9,
+                       "word_sums_vs_copy": t_copy / t_words, "crc32_seconds": t_crc,
+                       "crc32_gbps": size / t_crc / 1e9}
             t_old = best(lambda: _old_fingerprint([view], device).tolist(), repeats) \
                 if old else None
             rows.append({"bytes": size, "layout": name, "new_seconds": t_new,
@@ -110,7 +132,7 @@ def measure(device: torch.device, sizes: list[int], repeats: int, old: bool) -> 
                          "old_gbps": size / t_old / 1e9 if t_old else None,
                          "copy_gbps": size / t_copy / 1e9,
                          "new_vs_copy": t_copy / t_new,
-                         "speedup": t_old / t_new if t_old else None})
+                         "speedup": t_old / t_new if t_old else None, **cpu})
         del base, copy_dst, cases
     return rows
 
@@ -123,6 +145,13 @@ def _table(rows: list[dict]) -> str:
         speedup = f"{r['speedup']:7.1f}x" if r["speedup"] else f"{'-':>8}"
         out.append(f"{r['bytes'] // MiB:>5} MiB {r['layout']:<11} {r['new_gbps']:9.2f} {old} "
                    f"{r['copy_gbps']:10.2f} {r['new_vs_copy']:9.3f} {speedup}")
+    if "word_sums_gbps" in rows[0]:
+        out += ["", f"{'size':>9} {'layout':<11} {'word sums GB/s':>15} {'crc32 GB/s':>11} "
+                    f"{'words/copy':>11} {'words/crc32':>12}   (the CPU check of a gloo switch)"]
+        for r in rows:
+            out.append(f"{r['bytes'] // MiB:>5} MiB {r['layout']:<11} {r['word_sums_gbps']:15.2f} "
+                       f"{r['crc32_gbps']:11.2f} {r['word_sums_vs_copy']:11.3f} "
+                       f"{r['word_sums_gbps'] / r['crc32_gbps']:11.2f}x")
     return "\n".join(out)
 
 

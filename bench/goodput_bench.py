@@ -8,26 +8,43 @@ data-parallel-only elasticity, each running the same job through the same trace.
 The job is ``examples/live_switch_gpt.py``'s dense GPT, trained with megatron-core on 8 forked
 gloo processes, "4 nodes x 2 GPUs", starting in TP2 PP2 DP2 (global batch 12 x 16 tokens). The
 trace is a list of events at wall-clock offsets: a preemption notice (a node leaves, its
-deadline some seconds later) and capacity coming back (the node returns). Each way meets them
-as the systems it stands for do:
+deadline some seconds later), a failure without notice (the node's processes are SIGKILLed
+wherever they are) and capacity coming back (the node returns; after a failure, as new
+processes). Each way meets them as the systems it stands for do:
 
 * **live** (DynaTrain): the bench, as a scheduler, posts the notice to the job's store
   (``requests.post_notice``, what ``dynatrain notice`` does); the job's ``LiveControl`` picks
   ``suggest``'s top layout on the devices that stay and switches at the first boundary where
   every plan is ready. The node that left waits as a spare; when capacity is back the bench
   posts the first layout (``requests.post_request``, what ``dynatrain switch`` does) and the
-  spares join through the same live switch.
+  spares join through the same live switch. The job keeps buddy copies
+  (``LiveSwitcher(buddy=True)``, a copy after every step); on a failure the survivors' next
+  collective fails, they call ``LiveSwitcher.recover``, which restores the newest step from
+  the copies and goes on on ``suggest``'s layout of the survivors; the node's new processes
+  (started once the job recovered) wait as spares and join when the bench posts the first
+  layout. A survivor blocked in a collective on the dead is released by its group's timeout
+  (gloo cannot abort one): ``COLLECTIVE_S`` for megatron's groups, ``GROUP_S`` for the
+  default group the loop's own boundary collectives use, so detection takes up to that long
+  here (``detect``); on NCCL the watchdog (``abort_after``) releases them once a heartbeat is
+  stale.
 * **checkpoint** (checkpoint-restart, the best case of it: Megatron-LM's
   ``--exit-signal-handler``, which saves when the scheduler signals): at the event every
   process saves a megatron dist checkpoint (model and fully reshardable optimizer) and exits;
   new processes start on the new devices, form the group and megatron's parallel state, build
   the job in the layout ``suggest`` picks (the same layout the live way goes to) and load the
-  checkpoint. No iteration is lost; the restart is the downtime.
+  checkpoint. No iteration is lost; the restart is the downtime. A failure gets no save:
+  the job also saves every ``--save-every`` iterations (Megatron-LM's ``--save-interval``);
+  the bench, as the scheduler, tears the job down at once (no detection time: the best case)
+  and restarts it on the devices left from the newest complete save; the iterations since
+  are lost and done again.
 * **dp-only** (data-parallel elasticity, as torchft and SageMaker HyperPod do it): the layout
   inside a data-parallel replica never changes; a notice takes out every replica holding a
   leaving device, and returning capacity brings whole replicas back. The replica changes are
   made here by DynaTrain's own live switch (the bench posts the layout), so the way differs
-  from the live one in the devices it can use, not in how bytes move.
+  from the live one in the devices it can use, not in how bytes move. A failure takes out
+  the replica that held the node: the survivors recover onto the other replicas (the bench
+  names the node, as torchft's lighthouse would; the job detects who is gone itself) from the
+  buddy copies, which stand in for the optimizer state a replica keeps whole there.
 
 A CPU machine runs all 8 "devices" on the same cores, so fewer devices would not train slower.
 Each process therefore stands in for an accelerator: an iteration on ``n`` devices takes
@@ -45,8 +62,9 @@ clock does), the same ratio without any downtime (``bound``: the devices the way
 each event, from the event on, over the first layout's 8) and per event the downtime (the gap
 between the last iteration before it and the first one after it, plus any stall at the
 boundaries between the event and it), by phase, iterations lost, and the devices and layout
-after it. A plot of the timeline is written next to the JSON. Failures without notice are not in
-the trace (``recovery_bench.py`` measures recoveries).
+after it, and after a failure how the job came back (``recovered_by``). Iterations lost to a
+failure count as not done: the ratio's iterations are the job's progress. A plot of the
+timeline is written next to the JSON (``recovery_bench.py`` measures recoveries in detail).
 """
 
 from __future__ import annotations
@@ -89,16 +107,22 @@ FIRST = {"tp": 2, "pp": 2}
 GLOBAL_BATCH, SEQ = 12, 16
 TIMEOUT = 300.0
 WAYS = ("live", "checkpoint", "dp-only")
-# (seconds after the start, what, node, the notice's deadline in seconds)
+COLLECTIVE_S = 6.0  # megatron's groups give up on a dead peer after this (a hang's bound)
+GROUP_S = 10.0  # the default group's (the loop's own collectives), with room for a slow boundary
+# (seconds after the start, what, node, the notice's deadline in seconds); "fail": the node's
+# processes are SIGKILLed with no notice; "back": the node returns (after a failure, as new
+# processes)
 TRACES = {
     "full": {"duration": 240.0, "events": [(40.0, "notice", "node3", 30.0),
                                            (100.0, "back", "node3", None),
-                                           (150.0, "notice", "node1", 30.0),
+                                           (150.0, "fail", "node1", None),
                                            (200.0, "back", "node1", None)]},
-    # Each event's window (22 s, 18 s) leaves the checkpoint way (about 11 s and 9 s per event
-    # on a quiet 2-core machine) room for a machine the test suite loads too.
-    "short": {"duration": 50.0, "events": [(10.0, "notice", "node3", 15.0),
-                                           (32.0, "back", "node3", None)]},
+    # Each event's window (about 20 s) leaves the checkpoint way (about 11 s and 9 s per
+    # notice and return on a quiet 2-core machine) room for a machine the test suite loads too.
+    "short": {"duration": 92.0, "events": [(10.0, "notice", "node3", 15.0),
+                                           (32.0, "back", "node3", None),
+                                           (52.0, "fail", "node1", None),
+                                           (72.0, "back", "node1", None)]},
 }
 
 
@@ -146,33 +170,44 @@ def _decide(flags: list[int], group) -> list[int]:
 
 
 def live_worker(device: str, store_path: str, start_unix: float, end_unix: float, log: Log,
-                args) -> None:
-    """``live`` and ``dp-only``: a job under ``LiveControl`` taking up what the bench posts."""
+                args, way: str, fresh: bool = False) -> None:
+    """``live`` and ``dp-only``: a job under ``LiveControl`` taking up what the bench posts,
+    with buddy copies, recovering from a failure without notice (``fresh``: a process of a
+    node back after a failure, joining as a spare)."""
     from megatron.core import parallel_state as ps
 
     cpu.set_device(DEVICES.index(device))
     store = dist.FileStore(store_path, -1)
-    rdzv = Rendezvous(store, "gloo", prefix="job", timeout=TIMEOUT)
+    rdzv = Rendezvous(store, "gloo", prefix="job", timeout=TIMEOUT, group_timeout=GROUP_S)
     trainer = mcore_job.GlobalBatch(GLOBAL_BATCH, SEQ, example.BASE["vocab_size"])
-    spec = first_spec()
+    spec = None if fresh else first_spec()
     with cpu.cpu_shim():
-        rdzv.form("start", DEVICES, device)
-        ps.initialize_model_parallel(**parallel_kwargs(spec), **mcore_job.init_kwargs())
-        job = mcore_job.build_job(spec)
+        job = None
+        if spec is not None:
+            rdzv.form("start", DEVICES, device)
+            ps.initialize_model_parallel(**parallel_kwargs(spec), **mcore_job.init_kwargs(),
+                                         distributed_timeout_minutes=COLLECTIVE_S / 60)
+            job = mcore_job.build_job(spec)
         sw = LiveSwitcher(spec, device, mcore_job.build_job, check, rendezvous=rdzv,
-                          timeout=TIMEOUT, init_kwargs=mcore_job.init_kwargs())
+                          timeout=TIMEOUT, init_kwargs=mcore_job.init_kwargs(), buddy=True,
+                          heartbeat=0.1, stale_after=1.5, collective_timeout=COLLECTIVE_S)
         ctl = LiveControl(sw)
         seen = None
-        _wait_for_start(start_unix, sw.leader, log)
+        if not fresh:
+            _wait_for_start(start_unix, sw.leader, log)
+        joined = False
         while True:
             if job is None:  # left: a spare until capacity is back (or the job ends)
                 result = sw.join(timeout=TIMEOUT * 4)
                 if result is None:
                     return
-                job = result.job  # joined at the boundary the others just switched at
-            else:
+                job, joined = result.job, True  # at the boundary the others switched at
+                continue
+            try:
                 t0 = time.time()
-                job = ctl.boundary(job)
+                if not joined:
+                    job = ctl.boundary(job)
+                joined = False
                 if ctl.last is not seen:
                     seen = ctl.last
                     if sw.leader:
@@ -183,18 +218,42 @@ def live_worker(device: str, store_path: str, start_unix: float, end_unix: float
                                   error=None if ok else str(seen))
                 if job is None:
                     continue
-            [stop] = _decide([int(sw.leader and time.time() >= end_unix)], sw.group)
-            if stop:
-                break
-            n = len(sw.layout.devices)
-            t0 = time.time()
-            trainer.step(job)
-            _pace(t0, args.work, n)
-            if sw.leader:
-                log.write(kind="iteration", iteration=job.iteration, t0=t0, t1=time.time(),
-                          devices=n, layout=sw.spec.name)
+                [stop] = _decide([int(sw.leader and time.time() >= end_unix)], sw.group)
+                if stop:
+                    break
+                n = len(sw.layout.devices)
+                t0 = time.time()
+                trainer.step(job)
+                # The copy follows the optimizer step at once, as in a job whose accelerator
+                # time is its step's (the boundary's own snapshot is then the same copy).
+                sw.snapshot(job)
+                _pace(t0, args.work, n)
+                if sw.leader:
+                    log.write(kind="iteration", iteration=job.iteration, t0=t0, t1=time.time(),
+                              devices=n, layout=sw.spec.name)
+            except Exception:  # noqa: BLE001 — a peer died: what a survivor sees of it
+                job = _recover(sw, ctl, job, way, log)
         ctl.close()
         sw.close()
+
+
+def _recover(sw, ctl, job, way: str, log: Log):
+    """Go on without the dead (``LiveSwitcher.recover``: detected by their heartbeat, state
+    from the buddy copies): live on ``suggest``'s layout of the survivors, dp-only on the
+    replicas the dead were not in (the bench, as torchft's lighthouse would, says which node
+    failed; the job detects who is gone itself)."""
+    t0 = time.time()
+    dst = None
+    if way == "dp-only":
+        gone = node_devices(sw.rendezvous.store.get("bench/failed").decode())
+        dst = spec_from_dict(_dp_only(first_spec(), gone))
+    res = sw.recover(job, dst_spec=dst)
+    ctl.recovered(res)
+    if sw.leader:
+        log.write(kind="recovery", t0=t0, t1=time.time(), mode=res.recovery["mode"],
+                  failed=list(res.recovery["failed"]), phases=res.phases(),
+                  iteration=res.recovery["iteration"])
+    return res.job
 
 
 def checkpoint_worker(device: str, devices: list[str], spec_doc: dict, segment: int,
@@ -236,7 +295,7 @@ def checkpoint_worker(device: str, devices: list[str], spec_doc: dict, segment: 
                 mcore_job.save_checkpoint(job, save_to)
                 if leader:
                     log.write(kind="save", segment=segment, t0=t0, t1=time.time(),
-                              iteration=job.iteration)
+                              iteration=job.iteration, path=save_to, periodic=False)
                 return
             t0 = time.time()
             trainer.step(job)
@@ -244,6 +303,13 @@ def checkpoint_worker(device: str, devices: list[str], spec_doc: dict, segment: 
             if leader:
                 log.write(kind="iteration", iteration=job.iteration, t0=t0, t1=time.time(),
                           devices=len(devices), layout=spec.name)
+            if job.iteration % args.save_every == 0:  # Megatron-LM's --save-interval
+                t0 = time.time()
+                path = os.path.join(os.path.dirname(save_to), f"periodic-s{segment}-it{job.iteration}")
+                mcore_job.save_checkpoint(job, path)  # every rank returns once all saved
+                if leader:
+                    log.write(kind="save", segment=segment, t0=t0, t1=time.time(),
+                              iteration=job.iteration, path=path, periodic=True)
 
 
 # ---- the bench: processes, the trace, the numbers ------------------------------------------
@@ -258,11 +324,14 @@ def _run(target, args_, err_dir: str, name: str) -> None:
 
 
 class Processes:
-    """Forked workers; any that fails (or the time limit) stops the way with its traceback."""
+    """Forked workers; any that fails (or the time limit) stops the way with its traceback,
+    except those the bench killed itself (a failure in the trace, or a job torn down)."""
 
     def __init__(self, tmpdir: str, limit: float) -> None:
         self.ctx, self.tmpdir = multiprocessing.get_context("fork"), tmpdir
         self.procs: list = []
+        self.of: dict[str, object] = {}  # device -> its newest process
+        self.killed: set[int] = set()  # pids
         self.deadline = time.monotonic() + limit
 
     def start(self, target, per_device: dict[str, tuple]) -> list:
@@ -271,11 +340,28 @@ class Processes:
             p = self.ctx.Process(target=_run, args=(target, a, self.tmpdir, d))
             p.start()
             started.append(p)
+            self.of[d] = p
         self.procs += started
         return started
 
+    def kill(self, devices: list[str]) -> None:
+        """SIGKILL the processes of ``devices`` (and whatever they started), at once."""
+        procs = [self.of[d] for d in devices if self.of[d].exitcode is None]
+        self.killed |= {p.pid for p in procs}
+        for p in procs:
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.join(timeout=10)
+        for d in devices:  # a victim may have seen its peers go first and written why
+            path = os.path.join(self.tmpdir, f"error-{d}.txt")
+            if os.path.exists(path):
+                os.remove(path)
+
     def check(self) -> None:
-        bad = [p for p in self.procs if p.exitcode not in (None, 0)]
+        bad = [p for p in self.procs if p.exitcode not in (None, 0) and p.pid not in self.killed]
         if bad or time.monotonic() > self.deadline:
             time.sleep(0.5)  # let a failing worker finish writing its traceback
             errors = sorted(f for f in os.listdir(self.tmpdir) if f.startswith("error-"))
@@ -316,29 +402,49 @@ def run_live(way: str, trace: dict, tmpdir: str, args) -> dict:
     start = time.time() + args.startup
     end = start + trace["duration"]
     procs = Processes(tmpdir, args.startup + trace["duration"] + 600)
-    procs.start(live_worker, {d: (d, store_path, start, end, log, args) for d in DEVICES})
+    procs.start(live_worker, {d: (d, store_path, start, end, log, args, way) for d in DEVICES})
     store = dist.PrefixStore("job/", dist.FileStore(store_path, -1))
-    events, answers = [], []
+    events, answers, failed, failed_at = [], [], set(), {}
     try:
         pending = list(trace["events"])
-        while any(p.exitcode is None for p in procs.procs):
+        while any(p.exitcode is None for p in procs.procs if p.pid not in procs.killed):
             procs.check()
             if pending and time.time() >= start + pending[0][0]:
                 at, what, node, deadline = pending.pop(0)
-                t = time.time()
-                if what == "notice" and way == "live":
+                t, n = time.time(), None
+                if what == "fail":  # no notice: the node's processes die where they are
+                    store.set("bench/failed", node)
+                    procs.kill(node_devices(node))
+                    failed.add(node)
+                    failed_at[node] = t
+                elif what == "notice" and way == "live":
                     n = post_notice(store, node_devices(node), deadline, source="goodput bench")
                 elif what == "notice":
                     n = post_request(store, _dp_only(first_spec(), node_devices(node)),
                                      source="goodput bench (dp-only)")
                 else:
+                    if node in failed:  # the node's new processes, spares until they join
+                        failed.discard(node)
+                        # A replacement node comes up once the job went on without the dead
+                        # one: beating under a dead device's name before every survivor
+                        # reached the roll call, it would keep the recovery waiting on it
+                        # (docs/runtime.md).
+                        while not any(r["kind"] == "recovery" and r["t0"] >= failed_at[node]
+                                      for r in _read(log.path)):
+                            procs.check()
+                            time.sleep(0.1)
+                        procs.start(live_worker, {d: (d, store_path, start, end, log, args,
+                                                      way, True) for d in node_devices(node)})
+                        while not store.check([f"spare/{d}" for d in node_devices(node)]):
+                            procs.check()
+                            time.sleep(0.05)
                     n = post_request(store, spec_to_dict(first_spec()),
                                      source="goodput bench")
                 events.append({"at": at, "what": what, "node": node, "deadline_s": deadline,
                                "posted": t, "request": n})
             for e in events:
                 key = f"answer/{e['request']}"
-                if "answer" not in e and store.check([key]):
+                if e["request"] is not None and "answer" not in e and store.check([key]):
                     e["answer"] = json.loads(store.get(key))["line"]
             time.sleep(0.05)
         procs.check()
@@ -346,7 +452,7 @@ def run_live(way: str, trace: dict, tmpdir: str, args) -> dict:
         procs.close()
     for e in events:
         key = f"answer/{e['request']}"
-        if "answer" not in e and store.check([key]):
+        if e["request"] is not None and "answer" not in e and store.check([key]):
             e["answer"] = json.loads(store.get(key))["line"]
         answers.append(e.get("answer"))
     return {"start": start, "end": end, "events": events, "log": _read(log.path)}
@@ -380,18 +486,27 @@ def run_checkpoint(trace: dict, tmpdir: str, args) -> dict:
                 events.append({"at": at, "what": what, "node": node, "deadline_s": deadline,
                                "posted": time.time()})
                 gone = node_devices(node)
-                if what == "notice":
+                if what in ("notice", "fail"):
                     stay = [d for d in devices if d not in gone]
                     top = suggest(Layout(spec_from_dict(spec_doc)), stay).ranked[0].spec
                     nxt_devices, nxt_doc = stay, spec_to_dict(top, tuple(stay))
                 else:
                     nxt_devices, nxt_doc = list(DEVICES), spec_to_dict(first_spec())
-                store.set(f"stop/{segment}", "1")
-                for p in current:  # every process saved and exited: restart in the new world
-                    while p.exitcode is None:
-                        procs.check()
-                        time.sleep(0.02)
-                load_from = os.path.join(tmpdir, f"ckpt{segment}")
+                if what == "fail":
+                    # The node dies; the scheduler (told at once here: the best case) tears
+                    # the job down and restarts it from the newest complete checkpoint.
+                    procs.kill(gone)
+                    procs.kill([d for d in devices if d not in gone])
+                    saves = [r for r in _read(log.path) if r["kind"] == "save"]
+                    load_from = max(saves, key=lambda r: r["t1"])["path"] if saves else None
+                    events[-1]["torn_down"] = time.time()
+                else:
+                    store.set(f"stop/{segment}", "1")
+                    for p in current:  # every process saved and exited: restart anew
+                        while p.exitcode is None:
+                            procs.check()
+                            time.sleep(0.02)
+                    load_from = os.path.join(tmpdir, f"ckpt{segment}")
                 segment += 1
                 devices, spec_doc = nxt_devices, nxt_doc
                 events[-1]["restarted"] = time.time()
@@ -413,9 +528,19 @@ def _read(path: str) -> list[dict]:
 def summarize(way: str, run: dict) -> dict:
     """The way's numbers from its rank 0s' logs."""
     its = sorted((r for r in run["log"] if r["kind"] == "iteration"), key=lambda r: r["t0"])
-    numbers = [r["iteration"] for r in its]
-    if numbers != list(range(1, len(numbers) + 1)):
-        raise RuntimeError(f"{way}: iterations not counted once each, in order: {numbers[:40]}")
+    fails = [run["start"] + e["at"] for e in run["events"] if e["what"] == "fail"]
+    # Each iteration follows the one before, except right after a failure, where the job may
+    # go on from an earlier one (the newest checkpoint): the iterations between are lost.
+    lost, top, undone = 0, 0, set()  # undone: indices of the iterations lost
+    for j, (a, r) in enumerate(zip([None] + its, its)):
+        rolled_back = a is not None and any(a["t0"] < t <= r["t0"] for t in fails)
+        if r["iteration"] != top + 1 and not (rolled_back and r["iteration"] <= top + 1):
+            raise RuntimeError(f"{way}: iteration {r['iteration']} after {top} with no failure "
+                               f"between: {[x['iteration'] for x in its][:60]}")
+        lost += top + 1 - r["iteration"]
+        undone |= {i for i in range(j) if its[i]["iteration"] >= r["iteration"]}
+        top = r["iteration"]
+    done = top  # iterations of progress: the lost ones were done again
     # An iteration's period: its step and the boundary after it (where requests are looked
     # at), between two iterations of the first layout with no event between them (the first
     # layout comes back with the capacity; the very first period is left out).
@@ -448,8 +573,11 @@ def summarize(way: str, run: dict) -> dict:
             continue
         last = max((r for r in its if r["t1"] <= after[0]["t0"]), key=lambda r: r["t1"])
         # Every stall from the event to the new layout's first iteration: the switch, and the
-        # boundaries where the job took the event up (a notice's layout is chosen there).
-        span = [r for r in its if r["t1"] > t_e and r["t0"] <= after[0]["t0"]]
+        # boundaries where the job took the event up (a notice's layout is chosen there); from
+        # the last iteration that began before the event (after a failure: the last one that
+        # finished, as the one it cut short left no record).
+        span = [r for r in its if (r["t1"] > t_e or r is before[-1])
+                and r["t0"] <= after[0]["t0"]]
         gaps = sum(b["t0"] - a["t1"] for a, b in zip(span, span[1:]))
         row.update(done=True, downtime_s=gaps,
                    ended_after_event_s=after[0]["t0"] - t_e, layout=after[0]["layout"],
@@ -457,6 +585,11 @@ def summarize(way: str, run: dict) -> dict:
                    iterations_lost=last["iteration"] - (after[0]["iteration"] - 1))
         if e["deadline_s"] is not None:
             row["met_deadline"] = after[0]["t0"] <= t_e + e["deadline_s"]
+        if e["what"] == "fail":  # how the job came back: its recovery's way, or a restart
+            rec = [r for r in run["log"] if r["kind"] == "recovery"
+                   and t_e <= r["t0"] <= after[0]["t0"]]
+            row["recovered_by"] = (rec[0]["mode"] if rec else
+                                   f"restart at iteration {after[0]['iteration'] - 1}")
         phases = _phases(way, run["log"], last["t1"], after[0]["t0"])
         phases["other"] = max(0.0, gaps - sum(phases.values()))
         row["phases_s"] = phases
@@ -469,28 +602,39 @@ def summarize(way: str, run: dict) -> dict:
         area += held * (t_e - t_prev)
         held, t_prev = row.get("devices", held), t_e
     area += held * (run["end"] - t_prev)
-    return {"way": way, "iterations": len(its), "failure_free_iteration_s": t_ff,
-            "wall_s": wall, "effective_training_time_ratio": len(its) * t_ff / wall,
+    return {"way": way, "iterations": done, "iterations_lost": lost,
+            "failure_free_iteration_s": t_ff,
+            "wall_s": wall, "effective_training_time_ratio": done * t_ff / wall,
             "without_downtime_ratio": area / (len(DEVICES) * wall),
             "ready_late_s": max(0.0, max(ready) - run["start"]) if ready else None,
             "events": events,
-            "timeline": [(r["t0"] - t_begin, r["t1"] - t_begin, r["devices"]) for r in its]}
+            "timeline": [(r["t0"] - t_begin, r["t1"] - t_begin, r["devices"], i in undone)
+                         for i, r in enumerate(its)]}
 
 
 def _phases(way: str, log: list[dict], t0: float, t1: float) -> dict:
-    """What the gap between two iterations was spent on (rank 0's view)."""
+    """What the gap between two iterations was spent on (rank 0's view); after a failure,
+    ``cut_short``: from the last iteration's end until the job began to recover (the
+    iteration the failure cut short, and the error reaching the survivors; for the
+    checkpoint way, until the scheduler's restart)."""
     if way == "checkpoint":
-        save = [r for r in log if r["kind"] == "save" and t0 - 1 <= r["t0"] <= t1]
+        save = [r for r in log if r["kind"] == "save" and not r.get("periodic")
+                and t0 - 1 <= r["t0"] <= t1]
         rest = [r for r in log if r["kind"] == "restart" and t0 <= r["started"] <= t1]
         out = {}
         if save:
             out["save"] = save[0]["t1"] - save[0]["t0"]
         if save and rest:
             out["exit_and_start"] = rest[0]["started"] - save[0]["t1"]
+        elif rest:
+            out["cut_short"] = rest[0]["started"] - t0
         if rest:
             out.update(group_and_parallel_state=rest[0]["group"], build=rest[0]["build"],
                        load=rest[0]["load"])
         return out
+    rec = [r for r in log if r["kind"] == "recovery" and t0 <= r["t0"] <= t1]
+    if rec:
+        return {"cut_short": rec[0]["t0"] - t0, **rec[0]["phases"]}
     sw = [r for r in log if r["kind"] == "switch" and r["ok"] and t0 - 1 <= r["t0"] <= t1]
     return dict(sw[0]["phases"]) if sw else {}
 
@@ -513,6 +657,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         ev = "; ".join(
             (f"{e['what']} {e['node']}: {e['downtime_s']:.2f} s ({e['devices']}, {e['layout']})"
+             + (f" {e['iterations_lost']} it. lost" if e["iterations_lost"] else "")
              + ("" if e.get("met_deadline", True) else " DEADLINE MISSED"))
             if e["done"] else f"{e['what']} {e['node']}: not done" for e in r["events"])
         lines.append(f"{r['way']:11s} {r['iterations']:10d} {r['failure_free_iteration_s']:6.3f}s"
@@ -527,6 +672,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+EVENT_COLORS = {"notice": "tab:red", "fail": "black", "back": "tab:green"}
+
+
 def plot(rows: list[dict], trace: dict, path: str) -> None:
     import matplotlib
 
@@ -536,15 +684,16 @@ def plot(rows: list[dict], trace: dict, path: str) -> None:
     fig, axes = plt.subplots(len(rows), 1, figsize=(9, 1.8 * len(rows) + 0.6), sharex=True,
                              squeeze=False)
     for ax, r in zip(axes[:, 0], rows):
-        for t0, t1, n in r["timeline"]:
-            ax.broken_barh([(t0, t1 - t0)], (0, n), color="tab:blue")
+        for t0, t1, n, undone in r["timeline"]:
+            ax.broken_barh([(t0, t1 - t0)], (0, n), color="tab:grey" if undone else "tab:blue")
         for e in trace["events"]:
-            ax.axvline(e[0], color="tab:red" if e[1] == "notice" else "tab:green", lw=1)
+            ax.axvline(e[0], color=EVENT_COLORS[e[1]], lw=1)
         ax.set_ylim(0, len(DEVICES) + 0.5)
         ax.set_ylabel("devices")
         ax.set_title(f"{r['way']}: {r['iterations']} iterations, effective training time "
                      f"ratio {r['effective_training_time_ratio']:.2f}", fontsize=9)
-    axes[-1, 0].set_xlabel("seconds (red: notice, green: capacity back)")
+    axes[-1, 0].set_xlabel("seconds (red: notice, black: failure, green: capacity back; grey: "
+                           "iterations lost to a failure)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -559,6 +708,10 @@ def main() -> None:
                     help="an iteration's accelerator time on one device: it takes S / devices "
                          "seconds (default 16: 2 s on 8 devices, longer than its real step "
                          "here)")
+    ap.add_argument("--save-every", type=int, default=5, metavar="N",
+                    help="the checkpoint way saves every N iterations, as Megatron-LM's "
+                         "--save-interval does (default 5: about 10 s here); a failure loses "
+                         "the iterations since")
     ap.add_argument("--startup", type=float, default=15.0, metavar="S",
                     help="seconds the processes get to start before the trace's clock starts")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "goodput_bench.json"))
@@ -576,22 +729,32 @@ def main() -> None:
                        help="seconds to build the job on a device (default 5)")
     model.add_argument("--ckpt-GBps", type=float, default=2.0,
                        help="checkpoint write and read speed per device, GB/s (default 2)")
+    model.add_argument("--fail-node-hours", type=float, default=5000.0,
+                       help="node-hours per failure without notice (default 5000)")
+    model.add_argument("--detect-s", type=float, default=10.0,
+                       help="seconds until a failure is seen (default 10)")
+    model.add_argument("--save-interval-min", type=float, default=10.0,
+                       help="minutes between the checkpoint way's saves (default 10)")
     args = ap.parse_args()
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     bad = [w for w in ways if w not in WAYS]
     if bad or not ways:
         ap.error(f"--ways: expected names from {', '.join(WAYS)} (got {args.ways!r})")
+    positive = ("node_hours", "ckpt_GBps", "fail_node_hours")
     for name in ("work", "node_hours", "back_min", "nccl_init_s_1k", "nccl_init_s_100k",
-                 "build_s", "ckpt_GBps"):
+                 "build_s", "ckpt_GBps", "fail_node_hours", "detect_s", "save_interval_min"):
         v = getattr(args, name)
-        if not (math.isfinite(v) and v >= 0) or (name in ("node_hours", "ckpt_GBps") and v == 0):
+        if not (math.isfinite(v) and v >= 0) or (name in positive and v == 0):
             ap.error(f"--{name.replace('_', '-')}: a finite number "
-                     f"{'> 0' if name in ('node_hours', 'ckpt_GBps') else '>= 0'} (got {v})")
+                     f"{'> 0' if name in positive else '>= 0'} (got {v})")
+    if args.save_every < 1:
+        ap.error(f"--save-every: an integer >= 1 (got {args.save_every})")
     trace = TRACES[args.trace]
     out: dict = {"environment": {"python": platform.python_version(), "torch": torch.__version__,
                                  "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
                  "trace": args.trace, "events": trace["events"],
                  "duration_s": trace["duration"], "work_s": args.work, "devices": DEVICES,
+                 "save_every": args.save_every, "collective_timeout_s": COLLECTIVE_S,
                  "first_layout": "tp2-pp2-dp2", "global_batch": GLOBAL_BATCH, "seq": SEQ}
     rows = []
     for way in ways:

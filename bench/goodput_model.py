@@ -34,8 +34,9 @@ def _nccl_init_s(n: int, args) -> float:
 
 def scale_model(args, cold_start: float) -> list[dict]:
     """Each preset at 1k-100k GPUs through a trace like the bench's: nodes of 8 GPUs get a
-    notice at random (one per ``--node-hours`` node-hours), come back after ``--back-min``
-    minutes. Per switch (a node leaving or coming back):
+    notice at random (one per ``--node-hours`` node-hours) or fail without one (one per
+    ``--fail-node-hours``), and come back after ``--back-min`` minutes. Per switch (a node
+    leaving on notice or coming back):
 
     * live: every device's state moved once over its NIC (an upper bound of the exchange) +
       the new world's communicators + building the job (the world is not formed ahead);
@@ -50,8 +51,15 @@ def scale_model(args, cold_start: float) -> list[dict]:
       state from a peer over its NICs; it trains on whole replicas only (those without a node
       that is out).
 
+    Per failure: ``--detect-s`` to see it, then for live (either kind: a failure is not known
+    ahead) a recovery from the buddy copies, priced as a switch built at the time; for
+    checkpoint a restart (cold start, communicators, build, load) and the work since the last
+    save lost, half of ``--save-interval-min`` on average (saves assumed asynchronous, so
+    they cost nothing else); for dp-only the cross-replica communicators formed again (the
+    other replicas hold the state).
+
     Throughput scales perfectly with the devices in use. The effective training time ratio is
-    (1 - switches per second x downtime per switch) x the mean fraction of devices in use."""
+    (1 - downtime per second) x the mean fraction of devices in use."""
     from dynatrain.ir.layout import DTYPE_BYTES
     from dynatrain.ir.loader import load_spec
     from dynatrain.ir.state import OPTIMIZER_KINDS
@@ -77,7 +85,9 @@ def scale_model(args, cold_start: float) -> list[dict]:
             nodes = n // 8
             state = p_bytes + o_bytes * reps_base / reps  # the optimizer shards over replicas
             per_hour = nodes / args.node_hours  # notices per hour
-            out_nodes = per_hour * args.back_min / 60.0  # nodes out at a time, on average
+            fails_hour = nodes / args.fail_node_hours  # failures without notice per hour
+            # nodes out at a time, on average
+            out_nodes = (per_hour + fails_hour) * args.back_min / 60.0
             nodes_per_rep = max(1, replica // 8)
             # Replicas hit by out_nodes nodes falling at random (expected count).
             hit = reps * (1.0 - (1.0 - 1.0 / reps) ** out_nodes) if reps > 1 else \
@@ -86,39 +96,49 @@ def scale_model(args, cold_start: float) -> list[dict]:
             wire = state / (H100.inter_node_GBps * 1e9)
             ckpt_io = state / (args.ckpt_GBps * 1e9)
             regroup = _nccl_init_s(reps, args)  # cross-replica groups: as many as replicas
-            ways = {
-                "live": ((wire + nccl + args.build_s), 1.0 - out_nodes * 8 / n),
-                "live-ahead": (wire + VOTE_S, 1.0 - out_nodes * 8 / n),
-                "checkpoint": ((2 * ckpt_io + cold_start + nccl + args.build_s),
+            live = wire + nccl + args.build_s
+            restart = cold_start + nccl + args.build_s + ckpt_io
+            ways = {  # (per switch, per failure, devices in use)
+                "live": (live, args.detect_s + live, 1.0 - out_nodes * 8 / n),
+                "live-ahead": (wire + VOTE_S, args.detect_s + live, 1.0 - out_nodes * 8 / n),
+                "checkpoint": (ckpt_io + restart,
+                               args.detect_s + restart + 30.0 * args.save_interval_min,
                                1.0 - out_nodes * 8 / n),
                 # Leaving: communicators; coming back: heal from a peer + communicators.
-                "dp-only": ((2 * regroup + wire) / 2, 1.0 - hit * nodes_per_rep * 8 / n),
+                "dp-only": ((2 * regroup + wire) / 2, args.detect_s + regroup,
+                            1.0 - hit * nodes_per_rep * 8 / n),
             }
             label = "/".join(os.path.splitext(path)[0].split("/")[1:])
             row = {"preset": label, "gpus": n, "replica_gpus": replica,
                    "state_GB_per_device": state / 1e9, "notices_per_hour": per_hour,
-                   "nodes_out": out_nodes, "nccl_init_s": nccl}
-            for way, (down, used) in ways.items():
-                busy = min(1.0, 2 * per_hour * down / 3600.0)  # two switches per notice
-                row[way] = {"downtime_per_switch_s": down, "devices_in_use": max(0.0, used),
+                   "failures_per_hour": fails_hour, "nodes_out": out_nodes, "nccl_init_s": nccl}
+            for way, (down, fail, used) in ways.items():
+                # a notice: two switches (leaving, back); a failure: itself and the way back
+                per_s = (2 * per_hour * down + fails_hour * (fail + down)) / 3600.0
+                busy = min(1.0, per_s)
+                row[way] = {"downtime_per_switch_s": down, "downtime_per_failure_s": fail,
+                            "devices_in_use": max(0.0, used),
                             "ratio": (1.0 - busy) * max(0.0, used)}
             rows.append(row)
     return rows
 
 
 def scale_table(rows: list[dict], args, cold_start: float) -> str:
-    head = (f"{'preset':36s} {'GPUs':>7s} {'notices/h':>9s} {'out':>5s} | "
-            + " | ".join(f"{w:>10s} down  use  ratio" for w in WAYS_MODELLED))
+    head = (f"{'preset':36s} {'GPUs':>7s} {'notices/h':>9s} {'fails/h':>7s} {'out':>5s} | "
+            + " | ".join(f"{w:>10s} switch  fail  use  ratio" for w in WAYS_MODELLED))
     lines = [f"modelled (not measured): a node of 8 GPUs gets a notice every {args.node_hours:g}"
-             f" node-hours and is back after {args.back_min:g} min; communicators "
-             f"{args.nccl_init_s_1k:g} s at 1k GPUs to {args.nccl_init_s_100k:g} s at 100k "
-             f"(assumed), build {args.build_s:g} s, checkpoint I/O {args.ckpt_GBps:g} GB/s per "
-             f"device, cold start {cold_start:.1f} s (measured here), exchange at the H100 "
-             "preset's NIC speed", head, "-" * len(head)]
+             f" node-hours, fails without one every {args.fail_node_hours:g} node-hours "
+             f"(seen after {args.detect_s:g} s) and is back after {args.back_min:g} min; "
+             f"communicators {args.nccl_init_s_1k:g} s at 1k GPUs to "
+             f"{args.nccl_init_s_100k:g} s at 100k (assumed), build {args.build_s:g} s, "
+             f"checkpoint I/O {args.ckpt_GBps:g} GB/s per device and a save every "
+             f"{args.save_interval_min:g} min, cold start {cold_start:.1f} s (measured here), "
+             "exchange at the H100 preset's NIC speed", head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['preset'][:36]:36s} {r['gpus']:7d} {r['notices_per_hour']:9.2f} "
-                     f"{r['nodes_out']:5.1f} | " + " | ".join(
-                         f"{r[w]['downtime_per_switch_s']:9.1f}s {r[w]['devices_in_use']:5.3f} "
+                     f"{r['failures_per_hour']:7.2f} {r['nodes_out']:5.1f} | " + " | ".join(
+                         f"{r[w]['downtime_per_switch_s']:9.1f}s "
+                         f"{r[w]['downtime_per_failure_s']:6.0f}s {r[w]['devices_in_use']:5.3f} "
                          f"{r[w]['ratio']:5.3f}" for w in WAYS_MODELLED))
     lines.append("published, each on its own trace: " + "; ".join(
         f"{name}: {what}" for name, what in PUBLISHED))

@@ -269,3 +269,40 @@ def test_one_process_cuda_switch_copies_locally_bit_exact() -> None:
     out = subprocess.run([sys.executable, "-c", CUDA_SWITCH.format(tiny=TINY)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "cuda ok" in out.stdout, out.stderr[-3000:]
+
+
+GLOO_TIMEOUT = """
+import datetime
+import torch, torch.distributed as dist
+from dynatrain.ir.layout import Layout
+from dynatrain.ir.loader import spec_from_dict
+from dynatrain.ir.state import transition_views
+from dynatrain.planner.pipeline import plan_transition
+from dynatrain.runtime.executor import switch
+from dynatrain.runtime.storage import fill_from_global, random_global
+TINY = {tiny!r}
+one = {{"nodes": 1, "gpus_per_node": 1}}
+a = spec_from_dict({{"model": TINY, "parallel": {{}}, "world": one}})
+b = spec_from_dict({{"model": TINY, "parallel": {{"use_distributed_optimizer": False}},
+                    "world": one}})
+sv, dv = transition_views(Layout(a), Layout(b))
+plan = plan_transition(sv.layout, dv.layout, 1 << 20)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=7))
+def now():
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+src = fill_from_global(sv, 0, random_global(sv, 3))
+switch(plan, sv, dv, plan.src_devices[0], src, timeout=123)
+print("after", now().total_seconds())
+dist.destroy_process_group()
+"""
+
+
+def test_a_switch_gives_the_group_its_own_timeout_back() -> None:
+    # A switch waits up to its own timeout on the group it runs in, usually the job's default
+    # group; afterwards the job's own collectives must again give up after the group's own
+    # timeout (a bounded one releases survivors blocked on a dead peer).
+    out = subprocess.run([sys.executable, "-c", GLOO_TIMEOUT.format(tiny=TINY)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "after 7.0" in out.stdout, out.stdout

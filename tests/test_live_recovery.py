@@ -143,6 +143,58 @@ def test_roll_call_agreement_and_heartbeats(tmp_path, caplog, monkeypatch) -> No
     beat.stop()
 
 
+def test_a_late_survivor_adopts_the_proposal_though_a_replacement_beats(tmp_path) -> None:
+    """A survivor released late from a collective finds the failed devices already proposed
+    and confirmed by the others, while a replacement process beats under the dead device's
+    name (a node back after its failure): it adopts the proposal at once instead of waiting
+    ``timeout + collective_timeout`` for that device's roll call."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from dynatrain.runtime.megatron import Rendezvous
+    from dynatrain.runtime.megatron.recovery import Heartbeat, Liveness, Recovery
+
+    rdzv = Rendezvous(dist.FileStore(str(tmp_path / "store"), -1), "gloo", prefix="t",
+                      timeout=60.0)
+    devs = ("node0:gpu0", "node0:gpu1", "node1:gpu0")
+    sw = SimpleNamespace(spec=object(), layout=SimpleNamespace(devices=devs), rendezvous=rdzv,
+                         device="node0:gpu1", timeout=60.0, collective_timeout=6.0,
+                         liveness=Liveness(rdzv, stale_after=0.5))
+    rdzv.count("g1/recover/claim", 1)  # the first survivor claimed and announced
+    rdzv.store.set("g1/recover/here/node0:gpu0", "1")
+    rdzv.propose("g1/recover/failed", {"failed": ["node1:gpu0"]})
+    rdzv.post("g1/recover/confirm/node0:gpu0", {"outcome": "ok"})
+    replacement = Heartbeat(rdzv, "node1:gpu0", 0.02)  # beats on: never stale
+    try:
+        t = time.monotonic()
+        agreed = Recovery(sw, None, 1).agree_failed(frozenset())
+        waited = time.monotonic() - t
+    finally:
+        replacement.stop()
+    assert agreed == ("node1:gpu0",) and waited < 5.0
+    # Without a proposal the roll call waits for the beating device (until its timeout).
+    rdzv.store.set("g2/recover/here/node0:gpu0", "1")
+    rdzv.count("g2/recover/claim", 1)
+    beat = Heartbeat(rdzv, "node1:gpu0", 0.02)
+    done = threading.Event()
+    try:
+        worker = threading.Thread(target=lambda: (Recovery(
+            SimpleNamespace(**{**vars(sw), "timeout": 1.0, "collective_timeout": 0.5}), None,
+            2).agree_failed(frozenset()), done.set()), daemon=True)
+        t = time.monotonic()
+        worker.start()
+        time.sleep(1.0)
+        assert not done.is_set()  # still waiting on the beating device
+        rdzv.post("g2/recover/confirm/node0:gpu0", {"outcome": "ok"})
+        worker.join(10)
+        assert done.is_set() and time.monotonic() - t >= 1.5
+    finally:
+        beat.stop()
+
+
 def test_the_watchdog_aborts_once_when_a_peer_stops_beating(tmp_path) -> None:
     """``Watchdog`` (what ``LiveSwitcher(abort_after=...)`` starts): nothing while every device
     of the job beats; one abort, naming the device, once one stopped for ``abort_after``."""

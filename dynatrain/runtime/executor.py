@@ -246,11 +246,46 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     Example:
         >>> dst, report = switch(plan, sv, dv, "node0:gpu1", src, timeout=30)  # doctest: +SKIP
     """
+    pg = group if group is not None else dist.group.WORLD
+    previous = _timeout_of(pg)
+    try:
+        return _switch(plan, src_view, dst_view, device, src_store, pg, timeout,
+                       destroy_group_on_abort, verify_source, on_round, dst_store,
+                       check_transfers, fill)
+    finally:  # the group is the caller's (often its default group): its own timeout again
+        if previous is not None and not _destroyed(pg):
+            pg.set_timeout(previous)
+
+
+def _timeout_of(pg: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout ``pg``'s collectives have now (None where torch does not say)."""
+    try:
+        return pg._get_backend(torch.device("cpu") if dist.get_backend(pg) == "gloo"
+                               else torch.device("cuda")).options._timeout
+    except Exception:  # noqa: BLE001 — a backend without options: left as the switch set it
+        return None
+
+
+def _destroyed(pg: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_backend(pg)
+        return False
+    except Exception:  # noqa: BLE001 — destroyed on abort
+        return True
+
+
+def _switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
+            src_store: Mapping[tuple, torch.Tensor] | None, pg: dist.ProcessGroup,
+            timeout: float, destroy_group_on_abort: bool, verify_source: bool,
+            on_round: Callable[[int], None] | None, dst_store: Storage | None,
+            check_transfers: bool,
+            fill: Callable[[Storage | None, dist.ProcessGroup, tuple[str, ...], torch.device],
+                           object] | None) -> tuple[Storage | None, dict]:
+    """``switch`` on the group ``pg``, whose timeout it sets to ``timeout``."""
     t_start = time.perf_counter()
     td = datetime.timedelta(seconds=timeout)
     where = _Where()
     devices = process_devices(plan)
-    pg = group if group is not None else dist.group.WORLD
     on = tensor_device(src_store, dst_store, pg)
     # Sends are packed ahead only within what the verified plan says this device stages in
     # its busiest round, so the verifier's memory check (state plus that) holds at run time.

@@ -838,7 +838,10 @@ class LiveSwitcher:
         """Wait (a spare process) for a switch that takes this device in, and take part.
 
         Returns the destination job (``role == "joined"``), or None once the job ``close``d.
-        Announced switches that do not name this device, or are cancelled, are skipped.
+        Announced switches that do not name this device, or are cancelled, are skipped. With
+        ``buddy``, the new layout's first copy is taken before it returns, at the boundary
+        where the job's processes take theirs (``LiveControl`` and the Megatron-LM driver do,
+        right after the switch).
 
         Raises:
             SwitchFailed: the switch this process took part in failed (``job`` None); call
@@ -882,6 +885,8 @@ class LiveSwitcher:
             self._after(prep, result.role)
             if result.role == "joined":
                 rdzv.store.delete_key(f"spare/{self.device}")
+                if self.buddy:  # the job's processes take the new layout's first copy right
+                    self.snapshot(result.job)  # after the switch (a collective): so must this
             return result
 
     def _first_watch(self, rdzv: Rendezvous) -> int:

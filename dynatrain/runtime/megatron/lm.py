@@ -600,7 +600,14 @@ class _Driver:
             self.segment_end = False
             self.stepped = (args.iteration, args.consumed_train_samples,
                             getattr(args, "num_floating_point_operations_so_far", 0))
-            if self.control.due(args.iteration):
+            try:
+                due = self.control.due(args.iteration)
+            except Exception as err:  # noqa: BLE001 — a member died while the others waited
+                job = self._recover(job, sw, err, timers)  # at the boundary; else re-raised
+                if job is not None:
+                    self._carry_in(job, args)
+                continue
+            if due:
                 self.segment_end = True
             else:
                 args.train_iters = self.target

@@ -246,7 +246,13 @@ class Recovery:
         liveness = sw.liveness
 
         def dead() -> set[str]:
-            return set(given) | (liveness.stale(devices) if liveness is not None else set())
+            # Once a survivor proposed the failed devices, every survivor adopts that proposal
+            # (``propose``: the first one wins): a late one (released from a collective by its
+            # timeout) need not wait for them, nor take a replacement that beats under a dead
+            # device's name for that device come back.
+            won = rdzv.read(f"{self.name}/failed")
+            return (set(given) | (set(won["failed"]) if won is not None else set())
+                    | (liveness.stale(devices) if liveness is not None else set()))
 
         # A survivor blocked in a collective on the dead beats on and arrives once its
         # group's timeout releases it: wait for it that long beyond the timeout.

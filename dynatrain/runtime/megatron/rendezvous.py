@@ -91,6 +91,10 @@ class Rendezvous:
         timeout: seconds a group formation or a wait for peers may take (read at each call);
             ``form`` sets it as the store's timeout (gloo's connection setup waits on it).
         init_kwargs: extra ``init_process_group`` arguments (e.g. ``device_id`` for NCCL).
+        group_timeout: seconds a collective of a default group it forms waits for a peer
+            (None: ``timeout``). Bounded like ``LiveSwitcher(collective_timeout=...)``, it
+            releases a process blocked on a dead peer in the training loop's own collectives
+            on that group, so that it reaches ``recover`` in that time.
 
     Example:
         >>> store = dist.TCPStore(host, port, is_master=False)  # doctest: +SKIP
@@ -99,8 +103,12 @@ class Rendezvous:
     """
 
     def __init__(self, store: dist.Store, backend: str, *, prefix: str = "dynatrain",
-                 timeout: float = 60.0, init_kwargs: dict | None = None) -> None:
+                 timeout: float = 60.0, init_kwargs: dict | None = None,
+                 group_timeout: float | None = None) -> None:
+        if group_timeout is not None and not group_timeout > 0:
+            raise ValueError(f"group_timeout: seconds > 0 (got {group_timeout!r})")
         self.backend, self.prefix, self.timeout = backend, prefix.rstrip("/"), timeout
+        self.group_timeout = group_timeout
         self.init_kwargs = dict(init_kwargs or {})
         self.store = dist.PrefixStore(self.prefix + "/", store)
 
@@ -140,9 +148,11 @@ class Rendezvous:
             raise RendezvousTimeout(f"forming group {name!r}: {_names(gone)} "
                                     f"{'is' if len(gone) == 1 else 'are'} gone (no heartbeat)",
                                     gone)
+        collectives = td if self.group_timeout is None else \
+            datetime.timedelta(seconds=self.group_timeout)
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{name}/", self.store),
                                 rank=list(devices).index(device), world_size=len(devices),
-                                timeout=td,
+                                timeout=collectives,
                                 **self.init_kwargs)
 
     @staticmethod

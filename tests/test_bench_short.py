@@ -55,6 +55,8 @@ def _claims(name: str, doc: dict) -> None:
     elif name == "fingerprint_bench":
         assert doc["rows"] and all(r["bytes"] == 16 << 20 and r["new_seconds"] > 0
                                    for r in doc["rows"])
+        # On CPU also the check a gloo switch runs (word sums) beside the CRC-32 it replaced.
+        assert all(r["word_sums_seconds"] > 0 and r["crc32_seconds"] > 0 for r in doc["rows"])
     elif name == "plan_bench":
         (row,) = doc["headline"]
         assert row["verified"] and row["label"].startswith("GPT-OSS-120B")

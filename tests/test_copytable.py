@@ -233,7 +233,7 @@ def test_the_runtime_works_without_triton() -> None:
     assert out.returncode == 0 and "torch path ok" in out.stdout, out.stderr[-3000:]
 
 
-CUDA_SWITCH = """
+ONE_DEVICE_PLAN = """
 import os, sys, datetime
 import torch, torch.distributed as dist
 from dynatrain.ir.layout import Layout
@@ -249,6 +249,9 @@ b = spec_from_dict({{"model": TINY, "parallel": {{"use_distributed_optimizer": F
                     "world": one}})
 sv, dv = transition_views(Layout(a), Layout(b))
 plan = plan_transition(sv.layout, dv.layout, 1 << 20)
+"""  # a one-device switch's plan (distributed optimizer off), for the scripts below
+
+CUDA_SWITCH = ONE_DEVICE_PLAN + """
 assert all(m.local for r in plan.rounds for m in r.messages)
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
@@ -271,22 +274,7 @@ def test_one_process_cuda_switch_copies_locally_bit_exact() -> None:
     assert out.returncode == 0 and "cuda ok" in out.stdout, out.stderr[-3000:]
 
 
-GLOO_TIMEOUT = """
-import datetime
-import torch, torch.distributed as dist
-from dynatrain.ir.layout import Layout
-from dynatrain.ir.loader import spec_from_dict
-from dynatrain.ir.state import transition_views
-from dynatrain.planner.pipeline import plan_transition
-from dynatrain.runtime.executor import switch
-from dynatrain.runtime.storage import fill_from_global, random_global
-TINY = {tiny!r}
-one = {{"nodes": 1, "gpus_per_node": 1}}
-a = spec_from_dict({{"model": TINY, "parallel": {{}}, "world": one}})
-b = spec_from_dict({{"model": TINY, "parallel": {{"use_distributed_optimizer": False}},
-                    "world": one}})
-sv, dv = transition_views(Layout(a), Layout(b))
-plan = plan_transition(sv.layout, dv.layout, 1 << 20)
+GLOO_TIMEOUT = ONE_DEVICE_PLAN + """
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                         timeout=datetime.timedelta(seconds=7))
 def now():

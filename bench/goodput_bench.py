@@ -305,7 +305,8 @@ def checkpoint_worker(device: str, devices: list[str], spec_doc: dict, segment: 
                           devices=len(devices), layout=spec.name)
             if job.iteration % args.save_every == 0:  # Megatron-LM's --save-interval
                 t0 = time.time()
-                path = os.path.join(os.path.dirname(save_to), f"periodic-s{segment}-it{job.iteration}")
+                path = os.path.join(os.path.dirname(save_to),
+                                    f"periodic-s{segment}-it{job.iteration}")
                 mcore_job.save_checkpoint(job, path)  # every rank returns once all saved
                 if leader:
                     log.write(kind="save", segment=segment, t0=t0, t1=time.time(),
@@ -499,7 +500,6 @@ def run_checkpoint(trace: dict, tmpdir: str, args) -> dict:
                     procs.kill([d for d in devices if d not in gone])
                     saves = [r for r in _read(log.path) if r["kind"] == "save"]
                     load_from = max(saves, key=lambda r: r["t1"])["path"] if saves else None
-                    events[-1]["torn_down"] = time.time()
                 else:
                     store.set(f"stop/{segment}", "1")
                     for p in current:  # every process saved and exited: restart anew
@@ -537,8 +537,9 @@ def summarize(way: str, run: dict) -> dict:
         if r["iteration"] != top + 1 and not (rolled_back and r["iteration"] <= top + 1):
             raise RuntimeError(f"{way}: iteration {r['iteration']} after {top} with no failure "
                                f"between: {[x['iteration'] for x in its][:60]}")
-        lost += top + 1 - r["iteration"]
-        undone |= {i for i in range(j) if its[i]["iteration"] >= r["iteration"]}
+        if r["iteration"] <= top:  # gone back: the iterations since were done in vain
+            lost += top + 1 - r["iteration"]
+            undone |= {i for i in range(j) if its[i]["iteration"] >= r["iteration"]}
         top = r["iteration"]
     done = top  # iterations of progress: the lost ones were done again
     # An iteration's period: its step and the boundary after it (where requests are looked

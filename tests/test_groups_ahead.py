@@ -6,7 +6,9 @@ recorded is refused; and a live same-devices switch takes them ready-made and st
 megatron's own reload bit for bit (``test_live_switcher``, ``test_te_live`` run with the
 default ``groups_ahead=True``; the example's in-place switch reports how many it took).
 
-Four forked gloo processes: TP2·DP2 with gloo twins, switching to PP2·EP2 and to CP2·TP2.
+Four forked gloo processes: TP2·DP2 with gloo twins, switching to PP2·EP2 and to CP2·TP2;
+and, where devices leave, to TP2 on two of the four (the destination's world made ahead inside
+the job's and promoted to the default group).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from dynatrain.runtime.megatron.groups_ahead import GroupsAhead, record, supported
+from dynatrain.runtime.megatron.groups_ahead import (GroupsAhead, record, subworld,
+                                                     supported)
 from megatron_support import live
 
 SRC = dict(tensor_model_parallel_size=2, create_gloo_process_groups=True)
@@ -112,6 +115,65 @@ def test_groups_made_ahead_are_megatrons_own() -> None:
     # Both destinations really are other groups than the source's.
     assert got[0]["cases"][0]["groups"]["pp"] == (0, 2)
     assert got[0]["cases"][1]["groups"]["cp"] == (0, 2)
+
+
+DEVICES = tuple(f"node0:gpu{i}" for i in range(4))
+STAY = (DEVICES[1], DEVICES[2])  # ranks 1 and 2 of the job: 0 and 1 of the destination
+LEFT_DST = dict(tensor_model_parallel_size=2, create_gloo_process_groups=True)
+
+
+def _leave_work(rank: int) -> dict:
+    ps.initialize_model_parallel(**SRC)
+    me = DEVICES[rank]
+    world = subworld(DEVICES, STAY, me, timeout=30)
+    ahead = GroupsAhead(LEFT_DST, world)
+    during = _sum_over(ps.get_tensor_model_parallel_group())  # trains on meanwhile
+    ready = ahead.ready(60)
+    out: dict = {"ready": ready, "during": during, "world_rank": world.rank}
+    ps.destroy_model_parallel()
+    if world.rank is None:  # leaves: gives the job's world up
+        dist.destroy_process_group()
+        return out
+    ahead.promote()
+    out["world"] = (dist.get_rank(), dist.get_world_size())
+    out["registered"] = len(dist.distributed_c10d._world.pg_map)
+    out["kept"] = 1 + sum(isinstance(g, dist.ProcessGroup) for g in ahead.groups)
+    out["taken"], out["calls"] = ahead.initialize(), len(ahead.calls)
+    out["groups"] = _groups()
+    out["sums"] = (_sum_over(None), _sum_over(ps.get_tensor_model_parallel_group()),
+                   _sum_over(ps.get_data_parallel_group_gloo()))
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(**LEFT_DST)  # megatron's own, made now in the new world
+    out["own"] = _groups()
+    out["own_sums"] = (_sum_over(None), _sum_over(ps.get_tensor_model_parallel_group()),
+                       _sum_over(ps.get_data_parallel_group_gloo()))
+    return out
+
+
+def test_a_world_where_devices_leave_is_made_ahead_and_promoted() -> None:
+    got = live.run_workers(_leave_work, 4, timeout=240)
+    assert [r["world_rank"] for r in got] == [None, 0, 1, None]
+    for r in got:
+        assert r["ready"] and r["during"] in (3.0, 7.0), r
+    for rank, r in ((0, got[1]), (1, got[2])):
+        # The default group is the destination's world; nothing of the old world is left.
+        assert r["world"] == (rank, 2) and r["registered"] == r["kept"], r
+        assert r["taken"] == r["calls"] > 10, r
+        # megatron's groups, renumbered to the new world, are the ones it makes itself there,
+        # and carry collectives (ranks 0 + 1 of the new world: 1 + 2 = 3).
+        assert r["groups"] == r["own"] and r["groups"]["tp"] == (0, 1), r["groups"]
+        assert r["sums"] == r["own_sums"] == (3.0, 3.0, 1.0 + rank), r
+
+
+def test_a_subworld_is_only_devices_leaving_in_the_same_order(monkeypatch) -> None:
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda *a: 1)
+    w = subworld(DEVICES, STAY, DEVICES[1], timeout=5)
+    assert w is not None and (w.ranks, w.rank) == ((1, 2), 0)
+    assert subworld(DEVICES, STAY[::-1], DEVICES[1], timeout=5) is None  # another order
+    assert subworld(DEVICES, DEVICES, DEVICES[1], timeout=5) is None  # nobody leaves
+    assert subworld(DEVICES, (DEVICES[1], "node1:gpu0"), DEVICES[1], timeout=5) is None  # joins
+    assert subworld(DEVICES, STAY, DEVICES[2], timeout=5) is None  # rank 1 is not gpu2
 
 
 @pytest.mark.parametrize("backend", ["nccl"])

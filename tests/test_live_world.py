@@ -189,6 +189,7 @@ def _checked(tr, res: SwitchResult, spec, ckpt: str, step: int) -> dict:
     ref = tr.reference(spec, os.path.join(ckpt, str(step)))
     ev = {"step": step, "role": res.role, "seconds": res.seconds,
           "bytes_received": res.report["bytes_received"],
+          "world_ahead": res.report["world_ahead"], "groups_ahead": res.report["groups_ahead"],
           "pre": live.native_diffs(tr.state(ref), tr.state(res.job)),
           "n_state": len(tr.state(ref)),
           "eval_after": tr.step(res.job, forward_only=True)}
@@ -205,6 +206,9 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
         e = ev[d][0]
         assert e["role"] == "stayed" and e["pre"] == [] and e["post"] == [], (d, e)
         assert e["n_state"] > 10
+        # Devices only left: the destination's world and megatron's groups were made while
+        # the job trained, and the switch formed no group.
+        assert e["world_ahead"] and e["groups_ahead"] > 10, (d, e["groups_ahead"])
         assert e["losses"][0]["losses"] == e["losses"][1]["losses"]
         # Only DP changed: the same 8 samples give the same loss up to summation order.
         before, after = e["eval_before"]["global_loss"], e["eval_after"]["global_loss"]

@@ -142,7 +142,8 @@ def _worker(rank: int, fn: Callable[[int], Any], world: int, tmpdir: str) -> Non
                                 timeout=timedelta(seconds=120))
         with cpu_shim(force=True):
             out = fn(rank)
-        dist.barrier()
+        if dist.is_initialized():  # a worker whose process left its group returns alone
+            dist.barrier()
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt.tmp"))
         os.replace(os.path.join(tmpdir, f"rank{rank}.pt.tmp"),
                    os.path.join(tmpdir, f"rank{rank}.pt"))

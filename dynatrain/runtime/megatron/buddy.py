@@ -123,6 +123,11 @@ class BuddyCopy:
         self._pending: tuple | None = None  # the exchange take started
         self.seconds: dict[str, float] = {}  # of the last take (copy, post, wait, exchange)
 
+    @property
+    def has_group(self) -> bool:
+        """Whether the copies' group is made (the first ``take`` makes it)."""
+        return self._group is not None
+
     def _pg(self) -> dist.ProcessGroup:
         """A gloo group of the job's world, made at the first ``take`` (a collective: every
         process takes its first copy at the same boundary). Host tensors travel on it

@@ -23,6 +23,20 @@ mesh of connections. That was a third of an in-place switch's downtime in the li
    after ``resync`` set torch's group counter to the highest any process reached (a thread that
    failed part way left it lower than its peers').
 
+A switch whose destination keeps some of the source's devices and no others (devices leave,
+none join: a preemption notice's switch) changes the world, and torch has one default group per
+process. Its groups are made ahead all the same (``Subworld``): the destination's world and
+every megatron group of it are made as groups of the source's world, their ranks translated
+(megatron's ``initialize_model_parallel`` is recorded with the destination's world size and
+rank). The switch's exchange runs in the source's world as it is, then each staying process
+``promote``s the destination's world to its default group: torch's default is set to it, every
+other group of the source's world is destroyed (as ``destroy_process_group`` destroys a group),
+and the kept groups' rank maps are renumbered to the new world. This reaches into torch's
+process-group registry (``distributed_c10d._world``, ``_update_default_pg``): checked on the
+torch this runs with, refused (groups made at the switch) where those are missing. It needs the
+destination's devices in the source's relative order: torch numbers a group's members by sorted
+global rank, megatron by its own world's rank.
+
 Gloo only: NCCL communicators are created lazily by torch (at a group's first collective)
 unless the default group was bound to a device, and an eager ``ncclCommSplit`` is a collective
 on the parent communicator that the training stream is using, so on NCCL groups are created at
@@ -32,9 +46,11 @@ barriers on the new groups).
 
 from __future__ import annotations
 
+import datetime
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -44,6 +60,56 @@ def supported(init_kwargs: dict) -> bool:
     """Whether the groups of a switch can be formed ahead: gloo, no SHARP."""
     return (dist.is_initialized() and dist.get_backend() == "gloo"
             and not init_kwargs.get("use_sharp") and not init_kwargs.get("sharp_enabled_group"))
+
+
+@dataclass(frozen=True)
+class Subworld:
+    """A destination's world inside the current default group.
+
+    Attributes:
+        ranks: the current group's rank of each destination rank (strictly increasing).
+        rank: this process's destination rank (None: it leaves).
+        timeout: the collective timeout of the destination's default group.
+    """
+
+    ranks: tuple[int, ...]
+    rank: int | None
+    timeout: datetime.timedelta
+
+
+def subworld(src: Sequence[str], dst: Sequence[str], device: str,
+             timeout: float) -> Subworld | None:
+    """The destination ``dst`` (devices in rank order) as a ``Subworld`` of the current default
+    group, whose rank ``i`` runs ``src[i]``; None where it is not one: a device joins, none
+    leaves, the order differs, or torch's registry lacks what ``promote`` needs."""
+    c10d = dist.distributed_c10d
+    if not (hasattr(c10d, "_update_default_pg") and hasattr(c10d, "_world")):
+        return None
+    if not set(dst) < set(src) or dist.get_world_size() != len(src) \
+            or dist.get_rank() != list(src).index(device):
+        return None
+    ranks = tuple(list(src).index(d) for d in dst)
+    if list(ranks) != sorted(ranks):
+        return None
+    return Subworld(ranks, list(dst).index(device) if device in dst else None,
+                    datetime.timedelta(seconds=timeout))
+
+
+@contextmanager
+def _world_is(world: Subworld | None) -> Iterator[None]:
+    """torch's default world reads as ``world``'s (size, this process's rank; 0 for a
+    process that leaves: megatron's list of groups is the same on every rank)."""
+    if world is None:
+        yield
+        return
+    real_size, real_rank = dist.get_world_size, dist.get_rank
+    dist.get_world_size = lambda group=None: (len(world.ranks) if group is None
+                                              else real_size(group))
+    dist.get_rank = lambda group=None: (world.rank or 0) if group is None else real_rank(group)
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.get_rank = real_size, real_rank
 
 
 class _Recorded:
@@ -88,9 +154,10 @@ def _restore(module: Any, snap: dict[str, tuple[Any, Any]]) -> None:
         setattr(module, k, v)
 
 
-def record(init: dict[str, Any]) -> list[dict[str, Any]]:
+def record(init: dict[str, Any], world: Subworld | None = None) -> list[dict[str, Any]]:
     """The ``new_group`` calls megatron's ``initialize_model_parallel(**init)`` makes, in order
-    (their keyword arguments); megatron's parallel state is left as it was."""
+    (their keyword arguments; ranks of ``world``'s numbering when given); megatron's parallel
+    state is left as it was."""
     from megatron.core import parallel_state as ps
 
     calls: list[dict[str, Any]] = []
@@ -101,7 +168,7 @@ def record(init: dict[str, Any]) -> list[dict[str, Any]]:
 
     snap = _snapshot(ps)
     try:
-        with _new_group_is(recorder, no_destroy=True):
+        with _new_group_is(recorder, no_destroy=True), _world_is(world):
             # 0.19's destroy also releases NCCL EP and symmetric-memory buffers: nothing under
             # gloo, the only backend this runs on (``supported``).
             ps.destroy_model_parallel()
@@ -127,12 +194,15 @@ class GroupsAhead:
 
     Args:
         init: ``initialize_model_parallel``'s arguments for the destination.
+        world: the destination's world inside the current one (a world change; None: the
+            same world). Its own group is made first, then megatron's, ranks translated.
     """
 
-    def __init__(self, init: dict[str, Any]) -> None:
-        self.init = dict(init)
-        self.calls = record(self.init)
+    def __init__(self, init: dict[str, Any], world: Subworld | None = None) -> None:
+        self.init, self.world = dict(init), world
+        self.calls = record(self.init, world)
         self.groups: list[Any] = []
+        self.world_group: Any = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._create, name="dynatrain-groups-ahead",
                                         daemon=True)
@@ -140,8 +210,15 @@ class GroupsAhead:
 
     def _create(self) -> None:
         try:
+            world = self.world
+            if world is None:
+                for kw in self.calls:
+                    self.groups.append(dist.new_group(**kw))
+                return
+            self.world_group = dist.new_group(ranks=list(world.ranks), timeout=world.timeout)
             for kw in self.calls:
-                self.groups.append(dist.new_group(**kw))
+                ranks = [world.ranks[r] for r in kw["ranks"]]
+                self.groups.append(dist.new_group(**{**kw, "ranks": ranks}))
         except BaseException as err:  # noqa: BLE001 — reported by ready(); groups made at the switch
             self.error = err
 
@@ -150,9 +227,27 @@ class GroupsAhead:
         self._thread.join(timeout)
         return not self._thread.is_alive() and self.error is None
 
+    def promote(self) -> None:
+        """Make the destination's world this process's default group (a ``world`` that this
+        process stays in, once ``ready`` said so on every process and the switch's exchange
+        ran): every other group of the old world is destroyed and the groups made ahead are
+        renumbered to the new world's ranks. ``initialize`` then hands them to megatron."""
+        c10d = dist.distributed_c10d
+        world, reg = self.world, c10d._world
+        assert world is not None and world.rank is not None and self.world_group is not None
+        keep = [self.world_group] + [g for g in self.groups if isinstance(g, dist.ProcessGroup)]
+        to_new = {old: new for new, old in enumerate(world.ranks)}
+        c10d._update_default_pg(self.world_group)
+        kept = set(map(id, keep))
+        for pg in [pg for pg in reg.pg_map if id(pg) not in kept]:
+            dist.destroy_process_group(pg)  # the old world's: its default is no longer one
+        for pg in keep:
+            reg.pg_group_ranks[pg] = {to_new[g]: r for g, r in reg.pg_group_ranks[pg].items()}
+
     def initialize(self) -> int:
         """megatron's parallel state of the destination from the groups made ahead (call once
-        ``ready`` said so on every process); the number of groups it took.
+        ``ready`` said so on every process, and after ``promote`` for a world change); the
+        number of groups it took.
 
         Raises:
             RuntimeError: megatron asked for other groups than it did when recorded.

@@ -110,7 +110,7 @@ from . import build_ahead as ahead_build
 from .build_ahead import Built
 from .buddy import BuddyCopy
 from .groups_ahead import GroupsAhead
-from .groups_ahead import resync as resync_groups, supported as groups_ahead_supported
+from .groups_ahead import resync as resync_groups, subworld, supported as groups_ahead_supported
 from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
 from . import te_fp8
@@ -187,7 +187,9 @@ class LiveSwitcher:
         groups_ahead: for a same-devices switch on gloo, ``prepare`` records the process
             groups megatron makes for the destination and creates them in a background thread
             while the job trains; the switch then takes them instead of creating them
-            (``groups_ahead.GroupsAhead``). False: create them at the switch.
+            (``groups_ahead.GroupsAhead``). The same for a switch where devices leave and none
+            join (a notice's): the destination's default group too, made inside the job's
+            world (``groups_ahead.Subworld``). False: create them at the switch.
         buddy: keep buddy copies (``buddy.BuddyCopy``): ``snapshot(job)``, called after every
             optimizer step, copies this rank's optimizer state to host memory and to its
             buddy on another node, so that ``recover`` restores the state of a step every
@@ -320,11 +322,22 @@ class LiveSwitcher:
             if not self._all_built(ok):
                 resync_groups(self.group)
         dst_devices = Layout(dst_spec).devices
-        same = dst_devices == self.layout.devices == tuple(sorted(dst_devices))
-        if not (self.groups_ahead and same and groups_ahead_supported(self.init_kwargs)):
+        if not (self.groups_ahead and groups_ahead_supported(self.init_kwargs)):
+            return
+        world = None
+        if dst_devices != self.layout.devices:  # devices leave: the world ahead, if it can be
+            rdzv = self.rendezvous
+            if rdzv is None or self.group is not None:
+                return
+            world = subworld(self.layout.devices, dst_devices, self.device,
+                             rdzv.group_timeout if rdzv.group_timeout is not None
+                             else rdzv.timeout)
+            if world is None:
+                return
+        elif dst_devices != tuple(sorted(dst_devices)):
             return
         try:
-            self._ahead = GroupsAhead({**parallel_kwargs(dst_spec), **self.init_kwargs})
+            self._ahead = GroupsAhead({**parallel_kwargs(dst_spec), **self.init_kwargs}, world)
         except Exception:  # noqa: BLE001 — megatron refuses the layout: the switch says so
             self._ahead = None
 
@@ -748,6 +761,10 @@ class LiveSwitcher:
                 self.buddy_why = str(err)
                 return {}
         self.buddy_why = None
+        if self._ahead is not None and not self._buddy.has_group:
+            # The first copy makes a group: not while groups are made ahead, or torch would
+            # number them in another order on some processes.
+            self._ahead.ready(self.timeout)
         self._buddy.take(job)
         return dict(self._buddy.seconds)
 

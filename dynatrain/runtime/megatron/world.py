@@ -14,6 +14,7 @@ from ...ir.spec import LayoutSpec
 from ...ir.state import transition_views, view_of
 from ..executor import process_devices, switch
 from .bridge import extract_state, install_state
+from .groups_ahead import GroupsAhead
 from .job import MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, parallel_kwargs
 from .rendezvous import Rendezvous, RendezvousTimeout
 from . import te_fp8
@@ -67,6 +68,7 @@ class WorldSwitch:
             mark.append(time.perf_counter())
             seconds[name] = mark[-1] - mark[-2]
 
+        ahead: GroupsAhead | None = None
         try:
             if prep is None:
                 # A joiner that could not plan still meets the others, so they learn it now.
@@ -75,9 +77,11 @@ class WorldSwitch:
             else:
                 dst_devices = prep.dst.devices
                 union = process_devices(prep.plan)
+            ahead = self._world_ahead(union)
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
-            rdzv.form(f"g{g}/switch", union, self.device)
+            if ahead is None:
+                rdzv.form(f"g{g}/switch", union, self.device)
             lap("switch_group")
             digest = prep.digest.hex() if prep is not None else f"failed: {_why(failure)}"
             votes = rdzv.vote(f"g{g}/plan", union, self.device, digest)
@@ -99,12 +103,14 @@ class WorldSwitch:
             # The switch's group is the destination's when both hold the same processes in the
             # same order (e.g. spares joining, nobody leaving): kept, not formed again.
             keep = tuple(union) == tuple(dst_devices)
-            if not keep:
+            if ahead is not None and self.device in dst_devices:
+                ahead.promote()  # the destination's world, made ahead, is the default now
+            elif not keep:
                 rdzv.leave()
             new, outcome, error = None, "ok", None
             if self.device in dst_devices:
                 try:
-                    new = self._build(prep, dst_view, dst_store, carry, lap, keep)
+                    new = self._build(prep, dst_view, dst_store, carry, lap, keep, ahead)
                 except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
                     outcome, error = _why(err), err
             del dst_store
@@ -123,6 +129,8 @@ class WorldSwitch:
         te_fp8.forget_groups()  # TE fp8 registrations of the old job name its old groups
         if union.index(self.device) == 0:
             rdzv.post(f"done/{g}", {"outcome": "committed"})
+        report["world_ahead"] = ahead is not None
+        report["groups_ahead"] = self.sw.groups_taken if new is not None else 0
         role = ("left" if new is None else "stayed" if self.src_rank is not None else "joined")
         seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
                        downtime=time.perf_counter() - t[0])
@@ -137,13 +145,30 @@ class WorldSwitch:
         dst = Layout(spec_from_dict(doc["dst"]))
         return tuple(sorted(set(self.src.devices) | set(dst.devices)))
 
+    def _world_ahead(self, union: tuple[str, ...]) -> GroupsAhead | None:
+        """The destination's world and groups made ahead (``groups_ahead.Subworld``), if every
+        process of the switch has all of its own (one all-reduce in the job's world, which is
+        the switch's); None: the switch forms its groups. A source process only."""
+        sw = self.sw
+        ahead, sw._ahead = sw._ahead, None
+        if ahead is None:
+            return None
+        ok = ahead.ready(sw.timeout)  # its thread creates groups: done before any other is
+        if ahead.world is None or self.prep is None or union != self.src.devices:
+            return None
+        return ahead if sw._all_built(ok) else None
+
     def _build(self, prep: Prepared, dst_view: Any, dst_store: dict, carry: dict,
-               lap, keep: bool = False) -> MegatronJob:
+               lap, keep: bool = False, ahead: GroupsAhead | None = None) -> MegatronJob:
         ps, sw = self._ps(), self.sw
-        if not keep:  # else the switch's group, already the destination's default group
+        if not keep and ahead is None:  # else already the destination's default group
             self.rdzv.form(f"g{self.g}/dst", prep.dst.devices, self.device)
         lap("dst_group")
-        ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **sw.init_kwargs)
+        if ahead is not None:
+            sw.groups_taken = ahead.initialize()
+        else:
+            sw.groups_taken = 0
+            ps.initialize_model_parallel(**parallel_kwargs(prep.dst_spec), **sw.init_kwargs)
         lap("parallel_state")
         new = sw.build(prep.dst_spec)
         lap("build")

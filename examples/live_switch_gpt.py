@@ -323,9 +323,11 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
                                     result.seconds.get("build_ahead")))
     rec["phases_s"] = {name: max(p.get(name, 0.0) for p, _, _ in phases)
                        for name in phases[0][0]}
-    # Megatron's groups of a same-devices switch, made while the job trained (LiveSwitcher's
-    # groups_ahead): how many this process took ready-made.
+    # Megatron's groups of a same-devices switch or of one where devices only leave (then the
+    # destination's world too), made while the job trained (LiveSwitcher's groups_ahead): how
+    # many this process took ready-made.
     rec["groups_ahead"] = int(r.get("groups_ahead", 0))
+    rec["world_ahead"] = bool(r.get("world_ahead", False))
     rec["groups_wait_s"] = max(w for _, w, _ in phases)  # of parallel_state: waiting for them
     built = [b for _, _, b in phases]
     # The destination job built at the boundary before the switch (LiveSwitcher.build_ahead):
@@ -340,8 +342,9 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
               + f", {plural(rec['rounds'], 'round')}), {rec['bytes_moved'] / 2**20:.2f} MiB moved + "
               f"{rec['bytes_local'] / 2**20:.2f} MiB local, {rec['joined']} joined; planned and "
               f"verified in the background in {rec['plan_verify_s']:.2f} s", flush=True)
-        ahead = (f"; {rec['groups_ahead']} of megatron's groups made while training (waited "
-                 f"{rec['groups_wait_s']:.3f} s for them)" if rec["groups_ahead"] else "")
+        world = "the destination's world and " if rec["world_ahead"] else ""
+        ahead = (f"; {world}{rec['groups_ahead']} of megatron's groups made while training "
+                 f"(waited {rec['groups_wait_s']:.3f} s for them)" if rec["groups_ahead"] else "")
         if rec["built_ahead_s"] is not None:
             ahead += (f"; destination job built ahead, at the boundary before "
                       f"({rec['built_ahead_s']:.3f} s)")

@@ -55,6 +55,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .rendezvous import release_in_background
+
 
 def supported(init_kwargs: dict) -> bool:
     """Whether the groups of a switch can be formed ahead: gloo, no SHARP."""
@@ -239,10 +241,13 @@ class GroupsAhead:
         to_new = {old: new for new, old in enumerate(world.ranks)}
         c10d._update_default_pg(self.world_group)
         kept = set(map(id, keep))
-        for pg in [pg for pg in reg.pg_map if id(pg) not in kept]:
+        old = [pg for pg in reg.pg_map if id(pg) not in kept]
+        for pg in old:
             dist.destroy_process_group(pg)  # the old world's: its default is no longer one
         for pg in keep:
             reg.pg_group_ranks[pg] = {to_new[g]: r for g, r in reg.pg_group_ranks[pg].items()}
+        del pg
+        release_in_background(old)
 
     def initialize(self) -> int:
         """megatron's parallel state of the destination from the groups made ahead (call once

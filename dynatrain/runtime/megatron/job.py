@@ -138,7 +138,10 @@ class SwitchResult:
         (``LiveSwitcher.build_ahead``) neither ``parallel_state`` nor ``build`` runs at the
         switch; ``seconds["build_ahead"]`` is that build's time, at its own boundary. Another
         world: ``agree``, ``switch_group``, ``plan_vote``, ``exchange``, ``dst_group``,
-        ``parallel_state``, ``build``, ``install``, ``commit_vote``. A recovery: ``detect``,
+        ``parallel_state``, ``build``, ``install``, ``commit_vote``; where devices only leave,
+        the destination's world and megatron's groups were made while the job trained
+        (``switch_group`` is then the agreement that they are ready, ``seconds["groups_wait"]``
+        of it; ``dst_group`` makes the destination's world the default group). A recovery: ``detect``,
         ``agree``, ``prepare``, ``switch_group``, ``exchange``, ``refill`` or ``reload``,
         ``commit_vote``, ``dst_group``, ``build``, ``install``.
         """

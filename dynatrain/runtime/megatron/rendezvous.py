@@ -31,6 +31,7 @@ import datetime
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 
@@ -40,6 +41,16 @@ from ...ir.errors import EXIT_ABORTED, DynatrainError
 
 log = logging.getLogger("dynatrain.runtime")
 LOG_EVERY = 5.0  # seconds between two "still waiting for ..." lines of one wait
+
+
+def release_in_background(groups: list) -> None:
+    """Drop ``groups``, destroyed process groups whose last references this list holds (the
+    caller's are gone), in a thread of its own: a gloo group's destructor joins its threads,
+    about 5 ms a group on the test machine, and torch releases the GIL while it runs, so the
+    switch goes on meanwhile. Objects that still use a group (an old job's modules) keep it
+    until they go."""
+    held = [groups.pop() for _ in range(len(groups))]
+    threading.Thread(target=held.clear, name="dynatrain-release-groups", daemon=True).start()
 
 
 class RendezvousTimeout(DynatrainError):
@@ -159,7 +170,9 @@ class Rendezvous:
     def leave() -> None:
         """Destroy this process's default group (and all groups made from it), if any."""
         if dist.is_initialized():
+            held = list(dist.distributed_c10d._world.pg_map)
             dist.destroy_process_group()
+            release_in_background(held)
 
     # ---- documents ---------------------------------------------------------------------------
 

@@ -77,7 +77,9 @@ class WorldSwitch:
             else:
                 dst_devices = prep.dst.devices
                 union = process_devices(prep.plan)
+            waited = time.perf_counter()
             ahead = self._world_ahead(union)
+            seconds["groups_wait"] = time.perf_counter() - waited
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
             if ahead is None:
@@ -105,8 +107,8 @@ class WorldSwitch:
             keep = tuple(union) == tuple(dst_devices)
             if ahead is not None and self.device in dst_devices:
                 ahead.promote()  # the destination's world, made ahead, is the default now
-            elif not keep:
-                rdzv.leave()
+            elif not keep and self.device in dst_devices:
+                rdzv.leave()  # a leaving process leaves after the vote, off the others' path
             new, outcome, error = None, "ok", None
             if self.device in dst_devices:
                 try:
@@ -126,6 +128,8 @@ class WorldSwitch:
                                      f"e.g. {d}: {why}") from error
         except Exception as err:  # noqa: BLE001 — every failure rolls back
             self.roll_back(job, carry, err, saved)
+        if new is None:  # left: its groups go (gloo joins their threads: ~5 ms a group)
+            rdzv.leave()
         te_fp8.forget_groups()  # TE fp8 registrations of the old job name its old groups
         if union.index(self.device) == 0:
             rdzv.post(f"done/{g}", {"outcome": "committed"})

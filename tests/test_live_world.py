@@ -59,6 +59,7 @@ class Scenario:
     fresh: tuple[str, ...]
     fail_fresh_build: str | None = None  # a fresh process's first build of this layout fails
     global_batch: int = 8
+    build_ahead_at: tuple[int, ...] = ()  # switches whose destination job is built ahead
 
     def specs(self) -> dict:
         out = {k: to_spec(c) for k, c in self.cases.items()}
@@ -76,7 +77,8 @@ DENSE = Scenario(
            "dp4": dict(case("dp4", 4, **MODEL), devices=["node0:gpu0", "node0:gpu1",
                                                          "node0:gpu4", "node0:gpu5"])},
     schedule=[("b", "commit"), ("dp4", "missing"), ("c", "build fails"), ("c", "commit")],
-    exit_on_leave=("node0:gpu3",), fresh=("node0:gpu3",), fail_fresh_build="c")
+    exit_on_leave=("node0:gpu3",), fresh=("node0:gpu3",), fail_fresh_build="c",
+    build_ahead_at=(0,))
 MOE_ETP = Scenario(
     cases={"ma": case("ma", 4, ep=2, etp=2, **MOE_MODEL),
            "mb": case("mb", 2, ep=2, etp=1, **MOE_MODEL),
@@ -140,6 +142,11 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
                 return out
             name, what = sc.schedule[step]
             sw.prepare(specs[name]).result()
+            ahead: dict = {}
+            if step in sc.build_ahead_at:  # the job must be exactly as before it afterwards
+                pre = tr.state(job)
+                ahead["why"] = sw.build_ahead()
+                ahead["diffs"] = live.native_diffs(pre, tr.state(job))
             path = os.path.join(ckpt, str(step))
             tr.save(job, path)
             before = tr.state(job)
@@ -161,13 +168,15 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
                 continue
             rdzv.timeout = TIMEOUT
             if res.role == "left":
-                out["events"].append({"step": step, "left": True, "seconds": res.seconds})
+                out["events"].append({"step": step, "left": True, "seconds": res.seconds,
+                                      "ahead": ahead, "report": res.report})
                 if device in sc.exit_on_leave:
                     return out  # leaves and exits
                 job, step = None, None  # idles as a spare
                 continue
             event = _checked(tr, res, specs[name], ckpt, step)
             event["eval_before"] = eval_before
+            event["ahead"], event["report"] = ahead, res.report
             out["events"].append(event)
             job, step = res.job, step + 1
 
@@ -207,8 +216,11 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
         assert e["role"] == "stayed" and e["pre"] == [] and e["post"] == [], (d, e)
         assert e["n_state"] > 10
         # Devices only left: the destination's world and megatron's groups were made while
-        # the job trained, and the switch formed no group.
+        # the job trained, and the switch formed no group; the destination job was built in
+        # that world at the boundary before, which left the source job exactly as it was.
         assert e["world_ahead"] and e["groups_ahead"] > 10, (d, e["groups_ahead"])
+        assert e["ahead"] == {"why": None, "diffs": []}, (d, e["ahead"])
+        assert e["report"]["built_ahead"] and "build" not in e["seconds"], (d, e["seconds"])
         assert e["losses"][0]["losses"] == e["losses"][1]["losses"]
         # Only DP changed: the same 8 samples give the same loss up to summation order.
         before, after = e["eval_before"]["global_loss"], e["eval_after"]["global_loss"]
@@ -216,6 +228,9 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
         assert (e["eval_before"]["micro_batches"], e["eval_after"]["micro_batches"]) == (4, 8)
     assert ev["node0:gpu3"][0]["left"] and len(ev["node0:gpu3"]) == 2  # left, then exited
     assert ev["node0:gpu2"][0]["left"]
+    for d in DEV[2:]:  # the leaving processes built nothing, and agreed
+        assert ev[d][0]["ahead"] == {"why": None, "diffs": []}, ev[d][0]["ahead"]
+        assert ev[d][0]["report"]["built_ahead"], ev[d][0]["report"]
 
     # 2. gpu4-5 never come: the sources roll back.
     # 3. the build fails on the fresh gpu3: everyone rolls back after the exchange.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +42,7 @@ from ..headroom import free_bytes
 from ..storage import torch_dtype
 from . import te_fp8
 from .bridge import bind_state, install_step
-from .groups_ahead import _new_group_is, _restore, _snapshot
+from .groups_ahead import GroupsAhead, _new_group_is, _restore, _snapshot
 from .groups_ahead import resync as resync_groups
 from .job import (MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, first_line,
                   parallel_kwargs, where_failed)
@@ -55,13 +56,16 @@ class Built:
     """A destination job built ahead, with what its build left outside it."""
 
     prep: Prepared  # the prepared switch it belongs to, its slice cut into rounds
-    job: MegatronJob
-    storage: dict  # the job's state bound as the plan's destination storage (``bind_state``)
+    job: MegatronJob | None
+    storage: dict | None  # the job's state bound as the plan's destination storage
     parallel: dict  # megatron's parallel state of the destination (module globals)
     global_state: object  # the switcher's ``global_state.save()`` right after the build
     rng: dict  # the RNG streams the build left
     groups: int  # megatron groups it took ready-made
     seconds: float  # the build ahead, at its boundary
+    # Where devices leave: the destination's world and groups, made ahead (the switch
+    # promotes the world); then ``job`` and ``storage`` are None on a process that leaves.
+    ahead: GroupsAhead | None = None
 
 
 def _tracker_module() -> Any:
@@ -189,6 +193,8 @@ def build_ahead(sw: LiveSwitcher) -> str | None:
             return sw.ahead_why
     _, dst_view = transition_views(sw.layout, prep.dst)
     groups_ahead = sw._ahead
+    world = groups_ahead.world if groups_ahead is not None else None
+    rank = sw.rank if world is None else world.rank
     if groups_ahead is not None:
         initialize = groups_ahead.initialize
     else:
@@ -201,12 +207,17 @@ def build_ahead(sw: LiveSwitcher) -> str | None:
     saved_rng = rng_state()
     built = failure = None
     try:
-        new, groups = build(sw.build, prep.dst_spec, initialize)
-        storage = bind_state(dst_view, sw.rank, new.model_chunks, new.optimizer)
-        built = Built(prep, new, storage, parallel_state(),
-                      sw._save_global(), rng_state(), groups, 0.0)
+        if rank is None:  # this process leaves the job at the switch: nothing to build
+            built = Built(prep, None, None, {}, None, {}, 0, 0.0, groups_ahead)
+        else:
+            # Where devices leave, megatron builds in the destination's world made ahead.
+            with groups_ahead.entered() if world is not None else nullcontext():
+                new, groups = build(sw.build, prep.dst_spec, initialize)
+                storage = bind_state(dst_view, rank, new.model_chunks, new.optimizer)
+                built = Built(prep, new, storage, parallel_state(),
+                              sw._save_global(), rng_state(), groups, 0.0, groups_ahead)
     except Exception as err:  # noqa: BLE001 — agreed below; the switch builds instead
-        failure = err
+        built, failure = None, err
     finally:  # the source's parallel state, global state and RNG streams, exactly
         set_parallel_state(saved_ps)
         if sw.global_state is not None:
@@ -234,16 +245,21 @@ def cannot_build_ahead(sw: LiveSwitcher) -> str | None:
     if sw._pending.exception() is not None:
         return "the switch's planning failed (the switch says why)"
     prep = sw._pending.result()
-    if not prep.in_place:
-        return ("the world changes: the destination's job is built in its own group, at "
-                "the switch")
+    world = sw._ahead.world if sw._ahead is not None else None
+    if not prep.in_place and world is None:
+        return ("the world changes and its destination's world is not made ahead (devices "
+                "join, or see groups_ahead): the destination's job is built in its own group, "
+                "at the switch")
     if sw._built_for(prep) is not None:
         return ""
     if sw._ahead is not None and not sw._ahead.ready(sw.timeout):
         return (f"{sw.device}: the destination's groups made ahead were not ready "
                 f"within {sw.timeout:.0f} s")
+    rank = sw.rank if world is None else world.rank
+    if rank is None:
+        return None  # leaves: builds nothing
     _, dst_view = transition_views(sw.layout, prep.dst)
-    return no_room(dst_view, sw.rank, sw.device, sw._cuda_device, sw.reserve_bytes)
+    return no_room(dst_view, rank, sw.device, sw._cuda_device, sw.reserve_bytes)
 
 
 def switch_built(sw: LiveSwitcher, job: MegatronJob, prep: Prepared, src: dict,

@@ -229,24 +229,54 @@ class GroupsAhead:
         self._thread.join(timeout)
         return not self._thread.is_alive() and self.error is None
 
+    def _kept(self) -> list[Any]:
+        return [self.world_group] + [g for g in self.groups if isinstance(g, dist.ProcessGroup)]
+
+    def _renumber(self) -> dict[Any, dict[int, int]]:
+        """The destination's world as torch's default group, the kept groups' rank maps in
+        its numbering; returns their maps before."""
+        c10d = dist.distributed_c10d
+        world, reg = self.world, c10d._world
+        assert world is not None and world.rank is not None and self.world_group is not None
+        to_new = {old: new for new, old in enumerate(world.ranks)}
+        before = {}
+        c10d._update_default_pg(self.world_group)
+        for pg in self._kept():
+            before[pg] = reg.pg_group_ranks[pg]
+            reg.pg_group_ranks[pg] = {to_new[g]: r for g, r in before[pg].items()}
+        return before
+
+    @contextmanager
+    def entered(self) -> Iterator[None]:
+        """Inside, the destination's world is torch's default group and megatron's groups
+        made ahead are numbered in it, while the job's world and groups stay as they are (a
+        build ahead of the destination runs here); afterwards, all as it was."""
+        c10d = dist.distributed_c10d
+        reg = c10d._world
+        default, groups = reg.default_pg, len(reg.pg_map)
+        before = self._renumber()
+        try:
+            yield
+        finally:
+            c10d._update_default_pg(default)
+            for pg, ranks in before.items():
+                reg.pg_group_ranks[pg] = ranks
+        if len(reg.pg_map) != groups:  # numbered in a world that is not the default yet
+            raise RuntimeError("groups ahead: the build made process groups of its own "
+                               f"({len(reg.pg_map) - groups}); it runs at the switch")
+
     def promote(self) -> None:
         """Make the destination's world this process's default group (a ``world`` that this
         process stays in, once ``ready`` said so on every process and the switch's exchange
         ran): every other group of the old world is destroyed and the groups made ahead are
         renumbered to the new world's ranks. ``initialize`` then hands them to megatron."""
-        c10d = dist.distributed_c10d
-        world, reg = self.world, c10d._world
-        assert world is not None and world.rank is not None and self.world_group is not None
-        keep = [self.world_group] + [g for g in self.groups if isinstance(g, dist.ProcessGroup)]
-        to_new = {old: new for new, old in enumerate(world.ranks)}
-        c10d._update_default_pg(self.world_group)
-        kept = set(map(id, keep))
+        reg = dist.distributed_c10d._world
+        self._renumber()
+        kept = set(map(id, self._kept()))
         old = [pg for pg in reg.pg_map if id(pg) not in kept]
         for pg in old:
             dist.destroy_process_group(pg)  # the old world's: its default is no longer one
-        for pg in keep:
-            reg.pg_group_ranks[pg] = {to_new[g]: r for g, r in reg.pg_group_ranks[pg].items()}
-        del pg
+        pg = None  # noqa: F841 — ``old`` holds the last references, dropped in the background
         release_in_background(old)
 
     def initialize(self) -> int:

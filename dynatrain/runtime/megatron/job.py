@@ -141,7 +141,9 @@ class SwitchResult:
         ``parallel_state``, ``build``, ``install``, ``commit_vote``; where devices only leave,
         the destination's world and megatron's groups were made while the job trained
         (``switch_group`` is then the agreement that they are ready, ``seconds["groups_wait"]``
-        of it; ``dst_group`` makes the destination's world the default group). A recovery: ``detect``,
+        of it; no ``plan_vote``: the job's own agreement reached every process of the switch;
+        ``dst_group`` makes the destination's world the default group), and with the
+        destination job built ahead neither ``parallel_state`` nor ``build`` runs. A recovery: ``detect``,
         ``agree``, ``prepare``, ``switch_group``, ``exchange``, ``refill`` or ``reload``,
         ``commit_vote``, ``dst_group``, ``build``, ``install``.
         """

@@ -13,7 +13,8 @@ from ...ir.layout import Layout
 from ...ir.spec import LayoutSpec
 from ...ir.state import transition_views, view_of
 from ..executor import process_devices, switch
-from .bridge import extract_state, install_state
+from .bridge import extract_state, install_state, install_step
+from .build_ahead import Built, set_parallel_state, set_rng_state
 from .groups_ahead import GroupsAhead
 from .job import MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, parallel_kwargs
 from .rendezvous import Rendezvous, RendezvousTimeout
@@ -69,6 +70,8 @@ class WorldSwitch:
             seconds[name] = mark[-1] - mark[-2]
 
         ahead: GroupsAhead | None = None
+        built = self.sw._built_for(prep) if prep is not None else None
+        self.sw._built = None
         try:
             if prep is None:
                 # A joiner that could not plan still meets the others, so they learn it now.
@@ -78,28 +81,24 @@ class WorldSwitch:
                 dst_devices = prep.dst.devices
                 union = process_devices(prep.plan)
             waited = time.perf_counter()
-            ahead = self._world_ahead(union)
+            ahead = self._world_ahead(union, built)
+            if ahead is None:
+                built = None
             seconds["groups_wait"] = time.perf_counter() - waited
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
             if ahead is None:
                 rdzv.form(f"g{g}/switch", union, self.device)
             lap("switch_group")
-            digest = prep.digest.hex() if prep is not None else f"failed: {_why(failure)}"
-            votes = rdzv.vote(f"g{g}/plan", union, self.device, digest)
-            if failure is not None:
-                raise failure
+            if ahead is None:  # else the switch's processes are the job's: they agreed
+                self._plan_vote(union, failure)
+                lap("plan_vote")
             assert prep is not None
-            _no_votes(votes, "plan", rdzv.timeout)
-            if any(v != digest for v in votes.values()):
-                odd = {d: v for d, v in votes.items() if v != digest}
-                raise DynatrainError(f"{self.device}: the processes planned different switches "
-                                     f"({len(odd)} differ, e.g. {next(iter(odd.items()))})")
-            lap("plan_vote")
             src_view, dst_view = transition_views(prep.src, prep.dst)
             dst_store, report = switch(prep.plan, src_view, dst_view, self.device, src_store,
                                        None, timeout=self.sw.timeout,
-                                       check_transfers=self.sw.check_transfers)
+                                       check_transfers=self.sw.check_transfers,
+                                       dst_store=built.storage if built is not None else None)
             src_store = None
             lap("exchange")
             # The switch's group is the destination's when both hold the same processes in the
@@ -112,7 +111,8 @@ class WorldSwitch:
             new, outcome, error = None, "ok", None
             if self.device in dst_devices:
                 try:
-                    new = self._build(prep, dst_view, dst_store, carry, lap, keep, ahead)
+                    new = (self._install_built(built, dst_store, carry, lap) if built is not None
+                           else self._build(prep, dst_view, dst_store, carry, lap, keep, ahead))
                 except Exception as err:  # noqa: BLE001 — voted, then raised everywhere
                     outcome, error = _why(err), err
             del dst_store
@@ -128,12 +128,20 @@ class WorldSwitch:
                                      f"e.g. {d}: {why}") from error
         except Exception as err:  # noqa: BLE001 — every failure rolls back
             self.roll_back(job, carry, err, saved)
+        if built is not None and new is not None:  # what the build ahead left, now committed
+            if self.sw.global_state is not None:
+                self.sw.global_state.restore(built.global_state)
+            set_rng_state(built.rng)
         if new is None:  # left: its groups go (gloo joins their threads: ~5 ms a group)
             rdzv.leave()
         te_fp8.forget_groups()  # TE fp8 registrations of the old job name its old groups
         if union.index(self.device) == 0:
             rdzv.post(f"done/{g}", {"outcome": "committed"})
         report["world_ahead"] = ahead is not None
+        report["built_ahead"] = built is not None
+        if built is not None:
+            seconds["build_ahead"] = built.seconds
+            report["arrived_at"], report["left_at"] = self.sw._arrived, time.time()
         report["groups_ahead"] = self.sw.groups_taken if new is not None else 0
         role = ("left" if new is None else "stayed" if self.src_rank is not None else "joined")
         seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,
@@ -149,18 +157,48 @@ class WorldSwitch:
         dst = Layout(spec_from_dict(doc["dst"]))
         return tuple(sorted(set(self.src.devices) | set(dst.devices)))
 
-    def _world_ahead(self, union: tuple[str, ...]) -> GroupsAhead | None:
-        """The destination's world and groups made ahead (``groups_ahead.Subworld``), if every
-        process of the switch has all of its own (one all-reduce in the job's world, which is
-        the switch's); None: the switch forms its groups. A source process only."""
+    def _plan_vote(self, union: tuple[str, ...], failure: BaseException | None) -> None:
+        """Every process of the switch (joiners too, which the job's agreement did not
+        reach) planned the very same switch: a vote through the store."""
+        prep = self.prep
+        digest = prep.digest.hex() if prep is not None else f"failed: {_why(failure)}"
+        votes = self.rdzv.vote(f"g{self.g}/plan", union, self.device, digest)
+        if failure is not None:
+            raise failure
+        _no_votes(votes, "plan", self.rdzv.timeout)
+        if any(v != digest for v in votes.values()):
+            odd = {d: v for d, v in votes.items() if v != digest}
+            raise DynatrainError(f"{self.device}: the processes planned different switches "
+                                 f"({len(odd)} differ, e.g. {next(iter(odd.items()))})")
+
+    def _world_ahead(self, union: tuple[str, ...], built: Built | None) -> GroupsAhead | None:
+        """The destination's world and groups made ahead (``groups_ahead.Subworld``; those
+        of the destination job ``built`` ahead, if any), if every process of the switch has
+        all of its own (one all-reduce in the job's world, which is the switch's); None: the
+        switch forms its groups. A source process only."""
         sw = self.sw
         ahead, sw._ahead = sw._ahead, None
+        if built is not None:
+            ahead = built.ahead
         if ahead is None:
             return None
         ok = ahead.ready(sw.timeout)  # its thread creates groups: done before any other is
         if ahead.world is None or self.prep is None or union != self.src.devices:
             return None
         return ahead if sw._all_built(ok) else None
+
+    def _install_built(self, built: Built, dst_store: dict, carry: dict, lap) -> MegatronJob:
+        """The destination job built ahead, its state switched into it: megatron's parallel
+        state it was built in (the groups made ahead, its world promoted), the step and what
+        the job carries."""
+        assert built.job is not None
+        lap("dst_group")
+        set_parallel_state(built.parallel)
+        self.sw.groups_taken = built.groups
+        install_step(built.job.optimizer, dst_store)
+        carry_into(built.job, carry)
+        lap("install")
+        return built.job
 
     def _build(self, prep: Prepared, dst_view: Any, dst_store: dict, carry: dict,
                lap, keep: bool = False, ahead: GroupsAhead | None = None) -> MegatronJob:

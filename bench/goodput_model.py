@@ -39,13 +39,13 @@ def scale_model(args, cold_start: float) -> list[dict]:
     leaving on notice or coming back):
 
     * live: every device's state moved once over its NIC (an upper bound of the exchange) +
-      the new world's communicators + building the job (the world is not formed ahead);
+      the new world's communicators + building the job (NCCL groups are not made ahead);
       it trains on every device that stays;
     * checkpoint: save + a cold start of the processes (measured here) + communicators +
       build + load, at ``--ckpt-GBps`` per device; it trains on every device that stays;
-    * live, world ahead (not built for world changes yet: #37's first item): the same with the
-      communicators and the job formed while the job trains, so the switch is the exchange
-      and its commit vote;
+    * live, world ahead: the same with the communicators and the job formed while the job
+      trains, so the switch is the exchange and its commit vote (built on gloo where devices
+      only leave, as on notice; not for devices joining, nor NCCL communicators);
     * dp-only: the replicas' cross-replica communicators formed again (a group of as many
       members as replicas; each replica's own keep running), a returning replica healing its
       state from a peer over its NICs; it trains on whole replicas only (those without a node

@@ -1,5 +1,6 @@
-"""A same-devices switch's destination job, built at an iteration boundary before the switch
-(``LiveSwitcher.build_ahead`` runs ``build_ahead`` here; its ``switch`` then ``switch_built``).
+"""A switch's destination job, built at an iteration boundary before the switch
+(``LiveSwitcher.build_ahead`` runs ``build_ahead`` here; a same-devices switch then runs
+``switch_built``, a switch where devices only leave ``world.WorldSwitch`` with the job built).
 
 Building the destination (megatron's modules, DDP buffers, the distributed optimizer and its
 state, bound as the plan's destination storage) depends on the destination layout only, not on
@@ -15,6 +16,10 @@ records what the build left (``Built``); then the source's parallel state, globa
 streams are put back exactly, and the job trains on. The switch puts the recorded ones in
 place. One difference with a build at the switch: RNG streams the build does not seed itself
 are those of the boundary where it ran.
+
+Where devices only leave, the destination's world is not the job's: it was made inside the
+job's world (``groups_ahead.Subworld``), and the build runs with it as torch's default group
+(``GroupsAhead.entered``), which is put back afterwards; a process that leaves builds nothing.
 
 The destination is held beside the training job until the switch. On a GPU it is built ahead
 only if its state plus a reserve fits in what is free (``headroom.free_bytes``): the reserve is

@@ -16,7 +16,8 @@ boundary. It
    scale ``suggest`` plans several switches: seconds the job would otherwise stall), posts it
    and broadcasts the notice at the first boundary after the choice is made; every process
    prepares that one;
-3. builds a same-devices switch's destination job ahead (``LiveSwitcher.build_ahead``): a
+3. builds the destination job ahead (``LiveSwitcher.build_ahead``; a same-devices switch's,
+   or one where devices only leave, e.g. a notice's): a
    scheduled one's at a boundary before its iteration once every plan is ready, a requested
    one's at the first boundary where every process has its plan ready (an all-reduce of one
    flag), a notice's only while more than two iterations are left before its deadline;

@@ -134,6 +134,20 @@ def _leave_work(rank: int) -> dict:
     if world.rank is None:  # leaves: gives the job's world up
         dist.destroy_process_group()
         return out
+    # A build ahead runs with the destination's world as the default group, put back after;
+    # one that makes groups of its own is refused (they would be numbered in the wrong world).
+    with ahead.entered():
+        out["inside"] = (dist.get_rank(), dist.get_world_size(),
+                         dist.get_process_group_ranks(ahead.world_group))
+    out["outside"] = (dist.get_rank(), dist.get_world_size(),
+                      dist.get_process_group_ranks(ahead.world_group))
+    try:
+        with ahead.entered():
+            dist.new_group([0, 1])
+        out["own_groups"] = None
+    except RuntimeError as err:
+        out["own_groups"] = str(err)
+    out["after_refusal"] = (dist.get_rank(), dist.get_world_size())
     ahead.promote()
     out["world"] = (dist.get_rank(), dist.get_world_size())
     out["registered"] = len(dist.distributed_c10d._world.pg_map)
@@ -156,6 +170,9 @@ def test_a_world_where_devices_leave_is_made_ahead_and_promoted() -> None:
     for r in got:
         assert r["ready"] and r["during"] in (3.0, 7.0), r
     for rank, r in ((0, got[1]), (1, got[2])):
+        assert r["inside"] == (rank, 2, [0, 1]) and r["outside"] == (rank + 1, 4, [1, 2]), r
+        assert "made process groups of its own" in r["own_groups"], r["own_groups"]
+        assert r["after_refusal"] == (rank + 1, 4), r
         # The default group is the destination's world; nothing of the old world is left.
         assert r["world"] == (rank, 2) and r["registered"] == r["kept"], r
         assert r["taken"] == r["calls"] > 10, r

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from dynatrain.runtime.megatron.groups_ahead import (GroupsAhead, record, subworld,
+from dynatrain.runtime.megatron.groups_ahead import (GroupsAhead, joinworld, record, subworld,
                                                      supported)
 from megatron_support import live
 
@@ -180,6 +180,66 @@ def test_a_world_where_devices_leave_is_made_ahead_and_promoted() -> None:
         # and carry collectives (ranks 0 + 1 of the new world: 1 + 2 = 3).
         assert r["groups"] == r["own"] and r["groups"]["tp"] == (0, 1), r["groups"]
         assert r["sums"] == r["own_sums"] == (3.0, 3.0, 1.0 + rank), r
+
+
+JOB = DEVICES[:2]  # the job runs on two; gpu2-3 are spares without a group, joining
+JOIN_DST = dict(tensor_model_parallel_size=2, create_gloo_process_groups=True)
+
+
+def _join_work(rank: int) -> dict:
+    import datetime
+
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    if rank < 2:  # the job's own world
+        dist.init_process_group("gloo", store=dist.PrefixStore("job/", store), rank=rank,
+                                world_size=2, timeout=datetime.timedelta(seconds=60))
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    world = joinworld(JOB, DEVICES, DEVICES[rank], "ahead/g1", store, timeout=30)
+    ahead = GroupsAhead(JOIN_DST, world)
+    during = _sum_over(None) if rank < 2 else None  # the job trains on meanwhile
+    out: dict = {"ready": ahead.ready(60), "during": during}
+    if rank < 2:
+        ps.destroy_model_parallel()
+    ahead.promote()
+    out["world"] = (dist.get_rank(), dist.get_world_size())
+    out["registered"] = len(dist.distributed_c10d._world.pg_map)
+    out["kept"] = 1 + sum(isinstance(g, dist.ProcessGroup) for g in ahead.groups)
+    out["taken"], out["calls"] = ahead.initialize(), len(ahead.calls)
+    out["groups"] = _groups()
+    out["sums"] = (_sum_over(None), _sum_over(ps.get_tensor_model_parallel_group()),
+                   _sum_over(ps.get_data_parallel_group_gloo()))
+    # torch names later groups alike everywhere (the joiners' count was not the job's).
+    later = dist.new_group([1, 2])  # every process of the world calls it, as torch wants
+    out["later"] = _sum_over(later) if rank in (1, 2) else None
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(**JOIN_DST)  # megatron's own, made now in the new world
+    out["own"] = _groups()
+    out["own_sums"] = (_sum_over(None), _sum_over(ps.get_tensor_model_parallel_group()),
+                       _sum_over(ps.get_data_parallel_group_gloo()))
+    return out
+
+
+def test_a_world_where_devices_join_is_made_ahead_beside_the_jobs() -> None:
+    got = live.run_workers(_join_work, 4, timeout=240)
+    assert [r["during"] for r in got] == [3.0, 3.0, None, None]
+    for rank, r in enumerate(got):
+        assert r["ready"] and r["world"] == (rank, 4), r
+        assert r["registered"] == r["kept"], r  # nothing of the job's old world is left
+        assert r["taken"] == r["calls"] > 10, r
+        assert r["groups"] == r["own"] and r["groups"]["tp"] == ((0, 1) if rank < 2
+                                                                  else (2, 3)), r["groups"]
+        assert r["sums"] == r["own_sums"] == (10.0, 3.0 if rank < 2 else 7.0,
+                                              4.0 + 2 * (rank % 2)), r
+    assert [r["later"] for r in got] == [None, 5.0, 5.0, None]
+
+
+def test_a_joinworld_holds_the_job_first(monkeypatch) -> None:
+    w = joinworld(JOB, DEVICES, DEVICES[3], "ahead/g1", None, timeout=5)
+    assert w is not None and (w.size, w.rank) == (4, 3)
+    assert joinworld(JOB, DEVICES[1:], DEVICES[1], "n", None, timeout=5) is None  # gpu0 leaves
+    assert joinworld(JOB, (DEVICES[2], *JOB), DEVICES[2], "n", None, timeout=5) is None
+    assert joinworld(JOB, JOB, DEVICES[0], "n", None, timeout=5) is None  # nobody joins
 
 
 def test_a_subworld_is_only_devices_leaving_in_the_same_order(monkeypatch) -> None:

@@ -47,7 +47,7 @@ from ..headroom import free_bytes
 from ..storage import torch_dtype
 from . import te_fp8
 from .bridge import bind_state, install_step
-from .groups_ahead import GroupsAhead, _new_group_is, _restore, _snapshot
+from .groups_ahead import GroupsAhead, Joinworld, _new_group_is, _restore, _snapshot
 from .groups_ahead import resync as resync_groups
 from .job import (MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, first_line,
                   parallel_kwargs, where_failed)
@@ -251,10 +251,13 @@ def cannot_build_ahead(sw: LiveSwitcher) -> str | None:
         return "the switch's planning failed (the switch says why)"
     prep = sw._pending.result()
     world = sw._ahead.world if sw._ahead is not None else None
+    if not prep.in_place and isinstance(world, Joinworld):
+        return ("devices join: the destination's job is built at the switch (its build runs "
+                "collectives with the joiners, which are not at this boundary)")
     if not prep.in_place and world is None:
-        return ("the world changes and its destination's world is not made ahead (devices "
-                "join, or see groups_ahead): the destination's job is built in its own group, "
-                "at the switch")
+        return ("the world changes and its destination's world is not made ahead (see "
+                "groups_ahead): the destination's job is built in its own group, at the "
+                "switch")
     if sw._built_for(prep) is not None:
         return ""
     if sw._ahead is not None and not sw._ahead.ready(sw.timeout):

@@ -97,21 +97,76 @@ def subworld(src: Sequence[str], dst: Sequence[str], device: str,
                     datetime.timedelta(seconds=timeout))
 
 
+@dataclass(frozen=True)
+class Joinworld:
+    """A destination's world that takes in processes from outside the job (spares joining,
+    nobody leaving): made beside the job's world on the rendezvous store, by the job's
+    processes in a background thread and by the joiners while they wait.
+
+    Attributes:
+        size: the destination's number of processes.
+        rank: this process's destination rank.
+        name: unique to the switch: the store prefix and torch's names of its groups.
+        store: the store every process reaches (``Rendezvous.store``).
+        timeout: the collective timeout of the destination's default group.
+    """
+
+    size: int
+    rank: int
+    name: str
+    store: Any
+    timeout: datetime.timedelta
+
+
+def joinworld(src: Sequence[str], dst: Sequence[str], device: str, name: str, store: Any,
+              timeout: float) -> Joinworld | None:
+    """The destination ``dst`` as a ``Joinworld`` where it is one: it holds the source's
+    devices first, in their order, then the joiners (so the switch runs in it as it is),
+    and torch has what making and promoting it needs; else None."""
+    c10d = dist.distributed_c10d
+    if not all(hasattr(c10d, f) for f in ("_update_default_pg", "_world",
+                                          "_new_process_group_helper")):
+        return None
+    if len(dst) <= len(src) or tuple(dst[:len(src)]) != tuple(src) or device not in dst:
+        return None
+    return Joinworld(len(dst), list(dst).index(device), name, store,
+                     datetime.timedelta(seconds=timeout))
+
+
+def _size_and_rank(world: Subworld | Joinworld) -> tuple[int, int]:
+    if isinstance(world, Subworld):
+        return len(world.ranks), world.rank or 0
+    return world.size, world.rank
+
+
 @contextmanager
-def _world_is(world: Subworld | None) -> Iterator[None]:
+def _world_is(world: Subworld | Joinworld | None) -> Iterator[None]:
     """torch's default world reads as ``world``'s (size, this process's rank; 0 for a
-    process that leaves: megatron's list of groups is the same on every rank)."""
+    process that leaves: megatron's list of groups is the same on every rank), and as
+    initialized (a joiner has no default group yet)."""
     if world is None:
         yield
         return
-    real_size, real_rank = dist.get_world_size, dist.get_rank
-    dist.get_world_size = lambda group=None: (len(world.ranks) if group is None
-                                              else real_size(group))
-    dist.get_rank = lambda group=None: (world.rank or 0) if group is None else real_rank(group)
+    size, rank = _size_and_rank(world)
+    real_size, real_rank, real_init = dist.get_world_size, dist.get_rank, dist.is_initialized
+    dist.get_world_size = lambda group=None: size if group is None else real_size(group)
+    dist.get_rank = lambda group=None: rank if group is None else real_rank(group)
+    dist.is_initialized = lambda: True
     try:
         yield
     finally:
         dist.get_world_size, dist.get_rank = real_size, real_rank
+        dist.is_initialized = real_init
+
+
+def _own_group(size: int, rank: int, store: Any, name: str, timeout: datetime.timedelta) -> Any:
+    """A gloo group of ``size`` processes, this one rank ``rank``, met on ``store`` under
+    ``name``, made as torch makes a default group (no current default group is involved):
+    registered, its rank map set when its world is promoted."""
+    c10d = dist.distributed_c10d
+    pg, _ = c10d._new_process_group_helper(size, rank, [], dist.Backend("gloo"), store,
+                                           group_name=name, timeout=timeout, group_desc=name)
+    return pg
 
 
 class _Recorded:
@@ -156,7 +211,8 @@ def _restore(module: Any, snap: dict[str, tuple[Any, Any]]) -> None:
         setattr(module, k, v)
 
 
-def record(init: dict[str, Any], world: Subworld | None = None) -> list[dict[str, Any]]:
+def record(init: dict[str, Any],
+           world: Subworld | Joinworld | None = None) -> list[dict[str, Any]]:
     """The ``new_group`` calls megatron's ``initialize_model_parallel(**init)`` makes, in order
     (their keyword arguments; ranks of ``world``'s numbering when given); megatron's parallel
     state is left as it was."""
@@ -196,11 +252,12 @@ class GroupsAhead:
 
     Args:
         init: ``initialize_model_parallel``'s arguments for the destination.
-        world: the destination's world inside the current one (a world change; None: the
-            same world). Its own group is made first, then megatron's, ranks translated.
+        world: the destination's world inside the current one (``Subworld``: devices leave)
+            or beside it (``Joinworld``: devices join); None: the same world. Its own group is
+            made first, then megatron's.
     """
 
-    def __init__(self, init: dict[str, Any], world: Subworld | None = None) -> None:
+    def __init__(self, init: dict[str, Any], world: Subworld | Joinworld | None = None) -> None:
         self.init, self.world = dict(init), world
         self.calls = record(self.init, world)
         self.groups: list[Any] = []
@@ -217,12 +274,46 @@ class GroupsAhead:
                 for kw in self.calls:
                     self.groups.append(dist.new_group(**kw))
                 return
+            if isinstance(world, Joinworld):
+                self._create_joined(world)
+                return
             self.world_group = dist.new_group(ranks=list(world.ranks), timeout=world.timeout)
             for kw in self.calls:
                 ranks = [world.ranks[r] for r in kw["ranks"]]
                 self.groups.append(dist.new_group(**{**kw, "ranks": ranks}))
         except BaseException as err:  # noqa: BLE001 — reported by ready(); groups made at the switch
             self.error = err
+
+    def _create_joined(self, world: Joinworld) -> None:
+        """Every group on its own, members only (torch's ``new_group`` would need the
+        destination's world as the default group): numbered as ``new_group`` numbers them,
+        by sorted rank."""
+        self.world_group = _own_group(world.size, world.rank, world.store, f"{world.name}/world",
+                                      world.timeout)
+        for i, kw in enumerate(self.calls):
+            if kw.get("backend") not in (None, "gloo"):
+                raise RuntimeError(f"groups ahead: megatron's group {i} asks for backend "
+                                   f"{kw['backend']!r}")
+            ranks = sorted(kw["ranks"])
+            if world.rank not in ranks:
+                self.groups.append(dist.GroupMember.NON_GROUP_MEMBER)
+                continue
+            timeout = kw.get("timeout") or world.timeout
+            self.groups.append(_own_group(len(ranks), ranks.index(world.rank), world.store,
+                                          f"{world.name}/{i}", timeout))
+
+    def discard(self) -> None:
+        """Destroy the groups made ahead (a switch that will not take them)."""
+        self.ready(0)
+        if self._thread.is_alive():
+            return  # still being made: they go with the next ``destroy_process_group``
+        reg = dist.distributed_c10d._world
+        mine = [g for g in [self.world_group, *self.groups]
+                if isinstance(g, dist.ProcessGroup) and g in reg.pg_map]
+        for pg in mine:
+            dist.destroy_process_group(pg)
+        self.world_group, self.groups = None, []
+        release_in_background(mine)
 
     def ready(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the groups; whether all were created."""
@@ -267,17 +358,35 @@ class GroupsAhead:
 
     def promote(self) -> None:
         """Make the destination's world this process's default group (a ``world`` that this
-        process stays in, once ``ready`` said so on every process and the switch's exchange
-        ran): every other group of the old world is destroyed and the groups made ahead are
-        renumbered to the new world's ranks. ``initialize`` then hands them to megatron."""
+        process stays in, once ``ready`` said so on every process; devices leaving: after
+        the switch's exchange, joining: before it): every other group of the old world is
+        destroyed and the groups made ahead are numbered in the new world's ranks.
+        ``initialize`` then hands them to megatron."""
         reg = dist.distributed_c10d._world
-        self._renumber()
+        if isinstance(self.world, Joinworld):
+            self._number_joined()
+        else:
+            self._renumber()
         kept = set(map(id, self._kept()))
         old = [pg for pg in reg.pg_map if id(pg) not in kept]
         for pg in old:
             dist.destroy_process_group(pg)  # the old world's: its default is no longer one
         pg = None  # noqa: F841 — ``old`` holds the last references, dropped in the background
         release_in_background(old)
+        if isinstance(self.world, Joinworld):
+            # The joiners' count of torch's groups is not the job's: later groups (named by
+            # it) must be named alike everywhere.
+            resync()
+
+    def _number_joined(self) -> None:
+        c10d = dist.distributed_c10d
+        reg = c10d._world
+        assert isinstance(self.world, Joinworld) and self.world_group is not None
+        c10d._update_default_pg(self.world_group)
+        reg.pg_group_ranks[self.world_group] = {i: i for i in range(self.world.size)}
+        for kw, pg in zip(self.calls, self.groups):
+            if isinstance(pg, dist.ProcessGroup):
+                reg.pg_group_ranks[pg] = {r: j for j, r in enumerate(sorted(kw["ranks"]))}
 
     def initialize(self) -> int:
         """megatron's parallel state of the destination from the groups made ahead (call once

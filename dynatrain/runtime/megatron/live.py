@@ -110,7 +110,8 @@ from . import build_ahead as ahead_build
 from .build_ahead import Built
 from .buddy import BuddyCopy
 from .groups_ahead import GroupsAhead
-from .groups_ahead import resync as resync_groups, subworld, supported as groups_ahead_supported
+from .groups_ahead import Joinworld, Subworld, joinworld, subworld
+from .groups_ahead import resync as resync_groups, supported as groups_ahead_supported
 from .recovery import Heartbeat, Liveness, Recovery
 from .rendezvous import Rendezvous
 from . import te_fp8
@@ -134,6 +135,11 @@ def slice_digest(src_spec: LayoutSpec, src: Layout, dst_spec: LayoutSpec, dst: L
     doc = {"src": spec_to_dict(src_spec, src.devices), "dst": spec_to_dict(dst_spec, dst.devices),
            "budget": budget_bytes, "topology": topology.model_dump(), "planner": SLICE_PLANNER}
     return hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(), digest_size=16).digest()
+
+
+def _group_s(rdzv: Rendezvous) -> float:
+    """The collective timeout of a default group ``rdzv`` forms."""
+    return rdzv.group_timeout if rdzv.group_timeout is not None else rdzv.timeout
 
 
 class LiveSwitcher:
@@ -324,14 +330,14 @@ class LiveSwitcher:
         dst_devices = Layout(dst_spec).devices
         if not (self.groups_ahead and groups_ahead_supported(self.init_kwargs)):
             return
-        world = None
-        if dst_devices != self.layout.devices:  # devices leave: the world ahead, if it can be
+        world: Subworld | Joinworld | None = None
+        if dst_devices != self.layout.devices:  # the world changes: made ahead, if it can be
             rdzv = self.rendezvous
             if rdzv is None or self.group is not None:
                 return
-            world = subworld(self.layout.devices, dst_devices, self.device,
-                             rdzv.group_timeout if rdzv.group_timeout is not None
-                             else rdzv.timeout)
+            world = (subworld(self.layout.devices, dst_devices, self.device, _group_s(rdzv))
+                     or joinworld(self.layout.devices, dst_devices, self.device,
+                                  f"ahead/g{self._generation}", rdzv.store, _group_s(rdzv)))
             if world is None:
                 return
         elif dst_devices != tuple(sorted(dst_devices)):
@@ -422,8 +428,9 @@ class LiveSwitcher:
         exactly as before (megatron's parallel state, ``global_state`` and RNG streams are put
         back), until ``switch``. The destination's groups are those made ahead, or are made
         now. Returns None when built, else why not (the switch then builds at its own time):
-        the world changes and its world is not made ahead (devices join), the planning failed, no room beside the job, or a build that failed
-        on some process; every process returns None or every process a reason. The build's
+        devices join, the world changes and its world was not made ahead, the planning
+        failed, no room beside the job, or a build that failed on some process; every
+        process returns None or every process a reason. The build's
         time is ``seconds["build_ahead"]`` of the switch's result (not downtime: the job
         trains between it and the switch).
         """
@@ -890,12 +897,17 @@ class LiveSwitcher:
                 prep, failure = self._prepare(src_spec, src, dst_spec, g), None
             except Exception as err:  # noqa: BLE001 — the switch still needs this process
                 prep, failure = None, err
+            if prep is not None:  # the destination's world, with the job's processes
+                self._join_ahead(src, dst, dst_spec, g)
             # The source's leader (its first device) posts the go once its job agreed.
             go = rdzv.wait(f"go/{g}", left(), unless="closed", who=src.devices[:1])
             if go is None:
                 return None
             self._watch = g + 1
             if not go["go"]:
+                if self._ahead is not None:
+                    self._ahead.discard()
+                    self._ahead = None
                 g += 1
                 continue
             world = WorldSwitch(self, prep, self.device, rdzv, src=src, generation=g)
@@ -907,6 +919,25 @@ class LiveSwitcher:
                 if self.buddy:  # the job's processes take the new layout's first copy right
                     self.snapshot(result.job)  # after the switch (a collective): so must this
             return result
+
+    def _join_ahead(self, src: Layout, dst: Layout, dst_spec: LayoutSpec, g: int) -> None:
+        """A joiner makes the destination's world and megatron's groups with the job's
+        processes, which make them while they train (``_start_groups_ahead``)."""
+        rdzv = self.rendezvous
+        assert rdzv is not None
+        self._ahead = None
+        if not (self.groups_ahead and rdzv.backend == "gloo" and not dist.is_initialized()
+                and not self.init_kwargs.get("use_sharp")
+                and not self.init_kwargs.get("sharp_enabled_group")):
+            return
+        world = joinworld(src.devices, dst.devices, self.device, f"ahead/g{g}", rdzv.store,
+                          _group_s(rdzv))
+        if world is None:
+            return
+        try:
+            self._ahead = GroupsAhead({**parallel_kwargs(dst_spec), **self.init_kwargs}, world)
+        except Exception:  # noqa: BLE001 — megatron refuses the layout: the switch says so
+            self._ahead = None
 
     def _first_watch(self, rdzv: Rendezvous) -> int:
         """A process new to the job looks at the latest announcement unless it is over."""

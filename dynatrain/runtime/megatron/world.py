@@ -15,13 +15,16 @@ from ...ir.state import transition_views, view_of
 from ..executor import process_devices, switch
 from .bridge import extract_state, install_state, install_step
 from .build_ahead import Built, set_parallel_state, set_rng_state
-from .groups_ahead import GroupsAhead
+from .groups_ahead import GroupsAhead, Joinworld, Subworld
 from .job import MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, parallel_kwargs
 from .rendezvous import Rendezvous, RendezvousTimeout
 from . import te_fp8
 
 if TYPE_CHECKING:
     from .live import LiveSwitcher
+
+
+AHEAD = " ahead"  # a plan vote's mark: this process made the destination's world ahead
 
 
 def _no_votes(votes: dict[str, str | None], what: str, timeout: float) -> None:
@@ -87,12 +90,24 @@ class WorldSwitch:
             seconds["groups_wait"] = time.perf_counter() - waited
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
-            if ahead is None:
-                rdzv.form(f"g{g}/switch", union, self.device)
-            lap("switch_group")
-            if ahead is None:  # else the switch's processes are the job's: they agreed
-                self._plan_vote(union, failure)
-                lap("plan_vote")
+            if ahead is not None and isinstance(ahead.world, Joinworld):
+                # Devices join: the vote says whether every process made the world ahead.
+                if self._plan_vote(union, failure, ahead.ready(0)):
+                    lap("plan_vote")
+                    ahead.promote()  # the switch runs in the destination's world
+                else:
+                    lap("plan_vote")
+                    ahead.discard()
+                    ahead = None
+                    rdzv.form(f"g{g}/switch", union, self.device)
+                lap("switch_group")
+            else:
+                if ahead is None:
+                    rdzv.form(f"g{g}/switch", union, self.device)
+                lap("switch_group")
+                if ahead is None:  # else the switch's processes are the job's: they agreed
+                    self._plan_vote(union, failure)
+                    lap("plan_vote")
             assert prep is not None
             src_view, dst_view = transition_views(prep.src, prep.dst)
             dst_store, report = switch(prep.plan, src_view, dst_view, self.device, src_store,
@@ -104,7 +119,8 @@ class WorldSwitch:
             # The switch's group is the destination's when both hold the same processes in the
             # same order (e.g. spares joining, nobody leaving): kept, not formed again.
             keep = tuple(union) == tuple(dst_devices)
-            if ahead is not None and self.device in dst_devices:
+            if ahead is not None and isinstance(ahead.world, Subworld) \
+                    and self.device in dst_devices:
                 ahead.promote()  # the destination's world, made ahead, is the default now
             elif not keep and self.device in dst_devices:
                 rdzv.leave()  # a leaving process leaves after the vote, off the others' path
@@ -157,19 +173,24 @@ class WorldSwitch:
         dst = Layout(spec_from_dict(doc["dst"]))
         return tuple(sorted(set(self.src.devices) | set(dst.devices)))
 
-    def _plan_vote(self, union: tuple[str, ...], failure: BaseException | None) -> None:
+    def _plan_vote(self, union: tuple[str, ...], failure: BaseException | None,
+                   ahead: bool = False) -> bool:
         """Every process of the switch (joiners too, which the job's agreement did not
-        reach) planned the very same switch: a vote through the store."""
+        reach) planned the very same switch: a vote through the store. Each also says
+        whether it made the destination's world ahead (``ahead``); returns whether all did."""
         prep = self.prep
         digest = prep.digest.hex() if prep is not None else f"failed: {_why(failure)}"
-        votes = self.rdzv.vote(f"g{self.g}/plan", union, self.device, digest)
+        votes = self.rdzv.vote(f"g{self.g}/plan", union, self.device,
+                               digest + (AHEAD if ahead else ""))
         if failure is not None:
             raise failure
         _no_votes(votes, "plan", self.rdzv.timeout)
-        if any(v != digest for v in votes.values()):
-            odd = {d: v for d, v in votes.items() if v != digest}
+        plans = {d: (v or "").removesuffix(AHEAD) for d, v in votes.items()}
+        if any(v != digest for v in plans.values()):
+            odd = {d: v for d, v in plans.items() if v != digest}
             raise DynatrainError(f"{self.device}: the processes planned different switches "
                                  f"({len(odd)} differ, e.g. {next(iter(odd.items()))})")
+        return all((v or "").endswith(AHEAD) for v in votes.values())
 
     def _world_ahead(self, union: tuple[str, ...], built: Built | None) -> GroupsAhead | None:
         """The destination's world and groups made ahead (``groups_ahead.Subworld``; those
@@ -183,9 +204,14 @@ class WorldSwitch:
         if ahead is None:
             return None
         ok = ahead.ready(sw.timeout)  # its thread creates groups: done before any other is
-        if ahead.world is None or self.prep is None or union != self.src.devices:
-            return None
-        return ahead if sw._all_built(ok) else None
+        if isinstance(ahead.world, Joinworld) and self.prep is not None \
+                and union == self.prep.dst.devices:
+            return ahead  # agreed in the plan vote, joiners included
+        if isinstance(ahead.world, Subworld) and self.prep is not None \
+                and union == self.src.devices and sw._all_built(ok):
+            return ahead
+        ahead.discard()
+        return None
 
     def _install_built(self, built: Built, dst_store: dict, carry: dict, lap) -> MegatronJob:
         """The destination job built ahead, its state switched into it: megatron's parallel

@@ -193,9 +193,11 @@ class LiveSwitcher:
         groups_ahead: for a same-devices switch on gloo, ``prepare`` records the process
             groups megatron makes for the destination and creates them in a background thread
             while the job trains; the switch then takes them instead of creating them
-            (``groups_ahead.GroupsAhead``). The same for a switch where devices leave and none
-            join (a notice's): the destination's default group too, made inside the job's
-            world (``groups_ahead.Subworld``). False: create them at the switch.
+            (``groups_ahead.GroupsAhead``). The same where the world changes: the destination's
+            default group too, made inside the job's world where devices only leave (a
+            notice's switch; ``groups_ahead.Subworld``), beside it where devices join (with
+            the joiners, while they wait in ``join``; ``groups_ahead.Joinworld``). False:
+            create them at the switch.
         buddy: keep buddy copies (``buddy.BuddyCopy``): ``snapshot(job)``, called after every
             optimizer step, copies this rank's optimizer state to host memory and to its
             buddy on another node, so that ``recover`` restores the state of a step every

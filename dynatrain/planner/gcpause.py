@@ -54,15 +54,20 @@ def interpreter_frozen() -> int:
 
 
 @contextmanager
-def cycle_collector_paused() -> Iterator[None]:
-    """Disable the cycle collector inside the block; restore its previous state after."""
+def cycle_collector_paused(promote_after: bool = True) -> Iterator[None]:
+    """Disable the cycle collector inside the block; restore its previous state after.
+
+    ``promote_after``: move what the block allocated to the oldest generation unscanned
+    (a plan's records, below); False: only paused (a live switch, whose downtime a full
+    collection of a training process's heap would otherwise stretch by tenths of a second:
+    the collection comes after it)."""
     was_enabled = gc.isenabled()
     # Promote the block's objects unscanned at the end (below) only where nothing else can
     # be caught up in it: on the main thread (a background plan inside a training job would
     # promote the job's young objects too) and where the caller froze nothing itself. A
     # caller's gc.freeze() moves every tracked object, the immortal ones included, so the
     # count then exceeds the interpreter's own (module docstring).
-    promote = (was_enabled and gc.get_freeze_count() <= interpreter_frozen()
+    promote = (promote_after and was_enabled and gc.get_freeze_count() <= interpreter_frozen()
                and threading.current_thread() is threading.main_thread())
     if promote:
         gc.collect(1)  # the caller's young garbage goes now, not promoted with the plan

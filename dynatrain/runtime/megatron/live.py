@@ -94,6 +94,7 @@ from ...ir.loader import spec_from_dict, spec_to_dict
 from ...ir.spec import LayoutSpec
 from ...ir.state import transition_views
 from ...planner.cost import H100, Topology
+from ...planner.gcpause import cycle_collector_paused
 from ...planner.pipeline import plan_transition
 from ...planner.slices import finish_slice, slice_pairs
 from ...planner.suggest import suggest
@@ -542,6 +543,10 @@ class LiveSwitcher:
             raise DynatrainError(f"{self.device} runs no rank: a spare joins with join()")
         if self._pending is None:
             raise DynatrainError("switch() needs a prepare(dst_spec) first")
+        with cycle_collector_paused(promote_after=False):  # a full collection: after it
+            return self._switch_now(job)
+
+    def _switch_now(self, job: MegatronJob) -> SwitchResult:
         t = [time.perf_counter()]
         # Wall clock, comparable between the processes of one machine: the job's downtime is
         # from the last process's arrival to the last one's departure (report["arrived_at"],
@@ -844,13 +849,15 @@ class LiveSwitcher:
         if self._open is not None:  # a prepared world switch cannot run any more
             self.rendezvous.post(f"go/{self._open}", {"go": False})
             self._open = None
-        self._pending = self._built = None  # a destination built ahead names dead peers
+        # A destination built ahead, and a world made ahead, name dead peers.
+        self._pending = self._built = self._ahead = None
         self._generation += 1  # spent even when the recovery fails, on every survivor alike
         rec = Recovery(self, job, self._generation)
         given = frozenset(failed) if failed is not None else frozenset()
-        result, dst_spec = rec.run(given, dst_spec,
-                                   None if checkpoint is None else os.fspath(checkpoint),
-                                   rollback)
+        with cycle_collector_paused(promote_after=False):  # a full collection: after it
+            result, dst_spec = rec.run(given, dst_spec,
+                                       None if checkpoint is None else os.fspath(checkpoint),
+                                       rollback)
         if result.role == "left":
             self.spec = self.layout = None
             self._watch = self._generation + 1
@@ -913,7 +920,8 @@ class LiveSwitcher:
                 g += 1
                 continue
             world = WorldSwitch(self, prep, self.device, rdzv, src=src, generation=g)
-            result = world.run(None, None, go["carry"], [time.perf_counter()], failure)
+            with cycle_collector_paused(promote_after=False):
+                result = world.run(None, None, go["carry"], [time.perf_counter()], failure)
             assert prep is not None
             self._after(prep, result.role)
             if result.role == "joined":

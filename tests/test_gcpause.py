@@ -71,7 +71,10 @@ def test_a_frozen_caller_stays_frozen() -> None:
         frozen = gc.get_freeze_count()
         with cycle_collector_paused():
             pass
-        assert gc.get_freeze_count() == frozen  # not unfrozen behind the caller's back
+        # Not unfrozen behind the caller's back (that would move every frozen object out).
+        # Frozen objects that other threads of the worker free meanwhile leave the count: a
+        # background thread dropping an earlier test's process groups freed 2 of 1.9 million.
+        assert frozen - 1000 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 

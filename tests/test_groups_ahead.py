@@ -148,19 +148,32 @@ def _leave_work(rank: int) -> dict:
     except RuntimeError as err:
         out["own_groups"] = str(err)
     out["after_refusal"] = (dist.get_rank(), dist.get_world_size())
+    out.update(_promoted(ahead, LEFT_DST))
+    return out
+
+
+def _sums() -> tuple[float, ...]:
+    """Sums over the new world, megatron's TP group and its DP gloo twin."""
+    return (_sum_over(None), _sum_over(ps.get_tensor_model_parallel_group()),
+            _sum_over(ps.get_data_parallel_group_gloo()))
+
+
+def _promoted(ahead: GroupsAhead, dst: dict, later: tuple[int, ...] = ()) -> dict:
+    """Promote the destination's world made ahead, take megatron's groups from it, then
+    compare with the groups megatron makes itself in that world (after a group of ``later``
+    made there the way torch names groups)."""
     ahead.promote()
-    out["world"] = (dist.get_rank(), dist.get_world_size())
-    out["registered"] = len(dist.distributed_c10d._world.pg_map)
-    out["kept"] = 1 + sum(isinstance(g, dist.ProcessGroup) for g in ahead.groups)
-    out["taken"], out["calls"] = ahead.initialize(), len(ahead.calls)
-    out["groups"] = _groups()
-    out["sums"] = (_sum_over(None), _sum_over(ps.get_tensor_model_parallel_group()),
-                   _sum_over(ps.get_data_parallel_group_gloo()))
+    out = {"world": (dist.get_rank(), dist.get_world_size()),
+           "registered": len(dist.distributed_c10d._world.pg_map),
+           "kept": 1 + sum(isinstance(g, dist.ProcessGroup) for g in ahead.groups),
+           "taken": ahead.initialize(), "calls": len(ahead.calls),
+           "groups": _groups(), "sums": _sums()}
+    if later:  # every process of the world makes it, as torch wants
+        group = dist.new_group(list(later))
+        out["later"] = _sum_over(group) if dist.get_rank() in later else None
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(**LEFT_DST)  # megatron's own, made now in the new world
-    out["own"] = _groups()
-    out["own_sums"] = (_sum_over(None), _sum_over(ps.get_tensor_model_parallel_group()),
-                       _sum_over(ps.get_data_parallel_group_gloo()))
+    ps.initialize_model_parallel(**dst)  # megatron's own, made now in the new world
+    out["own"], out["own_sums"] = _groups(), _sums()
     return out
 
 
@@ -195,28 +208,22 @@ def _join_work(rank: int) -> dict:
         dist.init_process_group("gloo", store=dist.PrefixStore("job/", store), rank=rank,
                                 world_size=2, timeout=datetime.timedelta(seconds=60))
         ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    # A switch that does not take them (a process without them, a cancelled switch) destroys
+    # them again, on the job's processes and on the joiners.
+    registered = len(dist.distributed_c10d._world.pg_map)
+    dropped = GroupsAhead(JOIN_DST, joinworld(JOB, DEVICES, DEVICES[rank], "ahead/g0", store,
+                                              timeout=30))
+    made = dropped.ready(60) and len(dist.distributed_c10d._world.pg_map) > registered + 10
+    dropped.discard()
+    discarded = made and len(dist.distributed_c10d._world.pg_map) == registered
     world = joinworld(JOB, DEVICES, DEVICES[rank], "ahead/g1", store, timeout=30)
     ahead = GroupsAhead(JOIN_DST, world)
     during = _sum_over(None) if rank < 2 else None  # the job trains on meanwhile
-    out: dict = {"ready": ahead.ready(60), "during": during}
+    out: dict = {"ready": ahead.ready(60), "during": during, "discarded": discarded}
     if rank < 2:
         ps.destroy_model_parallel()
-    ahead.promote()
-    out["world"] = (dist.get_rank(), dist.get_world_size())
-    out["registered"] = len(dist.distributed_c10d._world.pg_map)
-    out["kept"] = 1 + sum(isinstance(g, dist.ProcessGroup) for g in ahead.groups)
-    out["taken"], out["calls"] = ahead.initialize(), len(ahead.calls)
-    out["groups"] = _groups()
-    out["sums"] = (_sum_over(None), _sum_over(ps.get_tensor_model_parallel_group()),
-                   _sum_over(ps.get_data_parallel_group_gloo()))
     # torch names later groups alike everywhere (the joiners' count was not the job's).
-    later = dist.new_group([1, 2])  # every process of the world calls it, as torch wants
-    out["later"] = _sum_over(later) if rank in (1, 2) else None
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(**JOIN_DST)  # megatron's own, made now in the new world
-    out["own"] = _groups()
-    out["own_sums"] = (_sum_over(None), _sum_over(ps.get_tensor_model_parallel_group()),
-                       _sum_over(ps.get_data_parallel_group_gloo()))
+    out.update(_promoted(ahead, JOIN_DST, later=(1, 2)))
     return out
 
 
@@ -224,7 +231,7 @@ def test_a_world_where_devices_join_is_made_ahead_beside_the_jobs() -> None:
     got = live.run_workers(_join_work, 4, timeout=240)
     assert [r["during"] for r in got] == [3.0, 3.0, None, None]
     for rank, r in enumerate(got):
-        assert r["ready"] and r["world"] == (rank, 4), r
+        assert r["discarded"] and r["ready"] and r["world"] == (rank, 4), r
         assert r["registered"] == r["kept"], r  # nothing of the job's old world is left
         assert r["taken"] == r["calls"] > 10, r
         assert r["groups"] == r["own"] and r["groups"]["tp"] == ((0, 1) if rank < 2

@@ -159,13 +159,16 @@ def _world_is(world: Subworld | Joinworld | None) -> Iterator[None]:
         dist.is_initialized = real_init
 
 
-def _own_group(size: int, rank: int, store: Any, name: str, timeout: datetime.timedelta) -> Any:
-    """A gloo group of ``size`` processes, this one rank ``rank``, met on ``store`` under
-    ``name``, made as torch makes a default group (no current default group is involved):
-    registered, its rank map set when its world is promoted."""
+def _own_group(ranks: Sequence[int], rank: int, store: Any, name: str,
+               timeout: datetime.timedelta) -> Any:
+    """A gloo group of the destination's ``ranks`` (sorted; ``rank`` is this process's), met on
+    ``store`` under ``name``, made as torch makes a default group (no current default group
+    is involved) and registered with its rank map in the destination's numbering."""
     c10d = dist.distributed_c10d
-    pg, _ = c10d._new_process_group_helper(size, rank, [], dist.Backend("gloo"), store,
-                                           group_name=name, timeout=timeout, group_desc=name)
+    pg, _ = c10d._new_process_group_helper(len(ranks), list(ranks).index(rank), [],
+                                           dist.Backend("gloo"), store, group_name=name,
+                                           timeout=timeout, group_desc=name)
+    c10d._world.pg_group_ranks[pg] = {r: i for i, r in enumerate(ranks)}
     return pg
 
 
@@ -288,8 +291,8 @@ class GroupsAhead:
         """Every group on its own, members only (torch's ``new_group`` would need the
         destination's world as the default group): numbered as ``new_group`` numbers them,
         by sorted rank."""
-        self.world_group = _own_group(world.size, world.rank, world.store, f"{world.name}/world",
-                                      world.timeout)
+        self.world_group = _own_group(range(world.size), world.rank, world.store,
+                                      f"{world.name}/world", world.timeout)
         for i, kw in enumerate(self.calls):
             if kw.get("backend") not in (None, "gloo"):
                 raise RuntimeError(f"groups ahead: megatron's group {i} asks for backend "
@@ -298,9 +301,8 @@ class GroupsAhead:
             if world.rank not in ranks:
                 self.groups.append(dist.GroupMember.NON_GROUP_MEMBER)
                 continue
-            timeout = kw.get("timeout") or world.timeout
-            self.groups.append(_own_group(len(ranks), ranks.index(world.rank), world.store,
-                                          f"{world.name}/{i}", timeout))
+            self.groups.append(_own_group(ranks, world.rank, world.store, f"{world.name}/{i}",
+                                          kw.get("timeout") or world.timeout))
 
     def discard(self) -> None:
         """Destroy the groups made ahead (a switch that will not take them)."""
@@ -379,14 +381,10 @@ class GroupsAhead:
             resync()
 
     def _number_joined(self) -> None:
-        c10d = dist.distributed_c10d
-        reg = c10d._world
+        """The destination's world as torch's default group (its groups' rank maps are in
+        its numbering since they were made)."""
         assert isinstance(self.world, Joinworld) and self.world_group is not None
-        c10d._update_default_pg(self.world_group)
-        reg.pg_group_ranks[self.world_group] = {i: i for i in range(self.world.size)}
-        for kw, pg in zip(self.calls, self.groups):
-            if isinstance(pg, dist.ProcessGroup):
-                reg.pg_group_ranks[pg] = {r: j for j, r in enumerate(sorted(kw["ranks"]))}
+        dist.distributed_c10d._update_default_pg(self.world_group)
 
     def initialize(self) -> int:
         """megatron's parallel state of the destination from the groups made ahead (call once

@@ -193,10 +193,12 @@ class WorldSwitch:
         return all((v or "").endswith(AHEAD) for v in votes.values())
 
     def _world_ahead(self, union: tuple[str, ...], built: Built | None) -> GroupsAhead | None:
-        """The destination's world and groups made ahead (``groups_ahead.Subworld``; those
-        of the destination job ``built`` ahead, if any), if every process of the switch has
-        all of its own (one all-reduce in the job's world, which is the switch's); None: the
-        switch forms its groups. A source process only."""
+        """The destination's world and groups made ahead (those of the destination job
+        ``built`` ahead, if any), where the switch can take them: devices only leave
+        (``Subworld``) and every process of the switch has all of its own (one all-reduce in
+        the job's world, which is the switch's), or devices join (``Joinworld``: the plan
+        vote, which reaches the joiners too, agrees on it). None: the switch forms its
+        groups, and those made ahead are destroyed."""
         sw = self.sw
         ahead, sw._ahead = sw._ahead, None
         if built is not None:

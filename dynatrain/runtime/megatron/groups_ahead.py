@@ -58,10 +58,13 @@ import torch.distributed as dist
 from .rendezvous import release_in_background
 
 
-def supported(init_kwargs: dict) -> bool:
-    """Whether the groups of a switch can be formed ahead: gloo, no SHARP."""
-    return (dist.is_initialized() and dist.get_backend() == "gloo"
-            and not init_kwargs.get("use_sharp") and not init_kwargs.get("sharp_enabled_group"))
+def supported(init_kwargs: dict, backend: str | None = None) -> bool:
+    """Whether the groups of a switch can be formed ahead: gloo (``backend``, default the
+    current default group's), no SHARP."""
+    if backend is None:
+        backend = dist.get_backend() if dist.is_initialized() else None
+    return (backend == "gloo" and not init_kwargs.get("use_sharp")
+            and not init_kwargs.get("sharp_enabled_group"))
 
 
 @dataclass(frozen=True)

@@ -936,9 +936,8 @@ class LiveSwitcher:
         rdzv = self.rendezvous
         assert rdzv is not None
         self._ahead = None
-        if not (self.groups_ahead and rdzv.backend == "gloo" and not dist.is_initialized()
-                and not self.init_kwargs.get("use_sharp")
-                and not self.init_kwargs.get("sharp_enabled_group")):
+        if not (self.groups_ahead and not dist.is_initialized()
+                and groups_ahead_supported(self.init_kwargs, rdzv.backend)):
             return
         world = joinworld(src.devices, dst.devices, self.device, f"ahead/g{g}", rdzv.store,
                           _group_s(rdzv))

@@ -311,8 +311,10 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
     # The job's downtime: from the last process's arrival at the boundary to the last one's
     # departure (one machine's wall clock; a process's own downtime includes its wait for the
     # slower ones to finish their iteration).
-    rec["job_downtime_s"] = (float(t[:, 8].max() - t[:, 7].max()) if bool((t[:, 7] > 0).all())
-                             else None)
+    # Joiners were not in the job when it stopped: they report no arrival (0).
+    stayed = t[:, 6] == 0
+    rec["job_downtime_s"] = (float(t[:, 8].max() - t[stayed, 7].max())
+                             if bool((t[stayed, 7] > 0).all() and (t[:, 8] > 0).all()) else None)
     if plan is not None:
         topo = PRESETS["h100" if dist.get_backend() == "nccl" else "gloo-local"]
         rec["predicted_exchange_s"] = predicted_downtime(plan, topo).total_seconds

@@ -78,7 +78,7 @@ DENSE = Scenario(
                                                          "node0:gpu4", "node0:gpu5"])},
     schedule=[("b", "commit"), ("dp4", "missing"), ("c", "build fails"), ("c", "commit")],
     exit_on_leave=("node0:gpu3",), fresh=("node0:gpu3",), fail_fresh_build="c",
-    build_ahead_at=(0,))
+    build_ahead_at=(0, 3))
 MOE_ETP = Scenario(
     cases={"ma": case("ma", 4, ep=2, etp=2, **MOE_MODEL),
            "mb": case("mb", 2, ep=2, etp=1, **MOE_MODEL),
@@ -199,6 +199,7 @@ def _checked(tr, res: SwitchResult, spec, ckpt: str, step: int) -> dict:
     ev = {"step": step, "role": res.role, "seconds": res.seconds,
           "bytes_received": res.report["bytes_received"],
           "world_ahead": res.report["world_ahead"], "groups_ahead": res.report["groups_ahead"],
+          "built_ahead": res.report["built_ahead"], "built_at_switch": "build" in res.seconds,
           "pre": live.native_diffs(tr.state(ref), tr.state(res.job)),
           "n_state": len(tr.state(ref)),
           "eval_after": tr.step(res.job, forward_only=True)}
@@ -251,6 +252,15 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
                      "node0:gpu3": "joined"}
     _assert_equal_to_reload(final)
     assert all(e["eval_after"]["micro_batches"] == 4 for e in final.values())
+    # Devices joined at the end of the order: the destination's world and groups were made
+    # while the job trained (with the joiners, while they waited), and the destination job
+    # was built in that world at the boundary before, by the job's processes and the joiners
+    # together; the job's source state stayed exactly as it was.
+    for d, e in final.items():
+        assert e["world_ahead"] and e["groups_ahead"] > 10, (d, e["groups_ahead"])
+        assert e["built_ahead"] and not e["built_at_switch"], (d, e["seconds"])
+    for d in DEV[:2]:
+        assert final[d]["ahead"] == {"why": None, "diffs": []}, (d, final[d]["ahead"])
     # Every process of the last layout trained one more iteration together.
     assert all(ev[n][-1]["final"] is not None
                for n in ("node0:gpu0", "node0:gpu1", "node0:gpu2", "fresh-node0:gpu3"))

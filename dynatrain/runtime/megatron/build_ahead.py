@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ...ir.state import StateView, storage_tensors, transition_views
 from ...ir.units import format_bytes
@@ -196,8 +197,62 @@ def build_ahead(sw: LiveSwitcher) -> str | None:
         except SwitchFailed as err:
             sw.ahead_why = first_line(err.__cause__ or err)
             return sw.ahead_why
-    _, dst_view = transition_views(sw.layout, prep.dst)
     groups_ahead = sw._ahead
+    joined = groups_ahead is not None and isinstance(groups_ahead.world, Joinworld)
+    if joined and sw.leader:  # the joiners, waiting in ``join``, build with the job now
+        assert sw.rendezvous is not None
+        sw.rendezvous.post(f"build/{prep.generation}", {"build": True})
+    built, failure = build_in(sw, prep, groups_ahead)
+    ok = (all_in_world(groups_ahead, failure is None) if joined
+          else sw._all_built(failure is None))
+    if not ok:
+        built = None
+        if groups_ahead is None:  # groups made here, maybe not as many everywhere
+            resync_groups(sw.group)
+        sw.ahead_why = f"building ahead failed on {where_failed(failure)}"
+        return sw.ahead_why
+    assert built is not None
+    built.seconds = time.perf_counter() - t0
+    sw._built, sw._ahead, sw.ahead_why = built, None, None
+    return None
+
+
+def build_joined(sw: LiveSwitcher, prep: Prepared) -> None:
+    """A joiner's part of a build ahead (``join`` runs it when the job's leader posts that
+    the job builds): its destination job, built with the job's processes in the
+    destination's world made ahead; agreed with them (an all-reduce MIN in that world).
+    Kept for the switch where all built; else the switch builds."""
+    t0 = time.perf_counter()
+    ahead = sw._ahead
+    if ahead is None:
+        return  # no world to agree in (the job's groups could not have been made either)
+    ready = ahead.ready(sw.timeout)
+    if ahead.world_group is None:
+        return
+    built, failure = build_in(sw, prep, ahead) if ready else (None, None)
+    if all_in_world(ahead, built is not None):
+        assert built is not None
+        built.seconds = time.perf_counter() - t0
+        sw._built, sw._ahead = built, None
+    else:
+        sw.ahead_why = f"building ahead failed on {where_failed(failure)}"
+
+
+def all_in_world(ahead: GroupsAhead, ok: bool) -> bool:
+    """Whether every process of the destination's world made ahead says ``ok`` (an
+    all-reduce MIN on its own group: the job's processes and the joiners)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ahead.world_group)
+    return bool(int(flag.item()))
+
+
+def build_in(sw: LiveSwitcher, prep: Prepared, groups_ahead: GroupsAhead | None
+             ) -> tuple[Built | None, BaseException | None]:
+    """``prep``'s destination job, built in megatron's parallel state of the destination
+    (the groups made ahead, in their world; else made now); then the parallel state, the
+    global state and the RNG streams of before, exactly. A process that leaves builds
+    nothing. Returns the build, or the error it raised."""
+    _, dst_view = transition_views(prep.src, prep.dst)
     world = groups_ahead.world if groups_ahead is not None else None
     rank = sw.rank if world is None else world.rank
     if groups_ahead is not None:
@@ -215,29 +270,20 @@ def build_ahead(sw: LiveSwitcher) -> str | None:
         if rank is None:  # this process leaves the job at the switch: nothing to build
             built = Built(prep, None, None, {}, None, {}, 0, 0.0, groups_ahead)
         else:
-            # Where devices leave, megatron builds in the destination's world made ahead.
+            # Where the world changes, megatron builds in the destination's world made ahead.
             with groups_ahead.entered() if world is not None else nullcontext():
                 new, groups = build(sw.build, prep.dst_spec, initialize)
                 storage = bind_state(dst_view, rank, new.model_chunks, new.optimizer)
                 built = Built(prep, new, storage, parallel_state(),
                               sw._save_global(), rng_state(), groups, 0.0, groups_ahead)
-    except Exception as err:  # noqa: BLE001 — agreed below; the switch builds instead
+    except Exception as err:  # noqa: BLE001 — agreed by the caller; the switch builds instead
         built, failure = None, err
-    finally:  # the source's parallel state, global state and RNG streams, exactly
+    finally:  # the parallel state, global state and RNG streams of before, exactly
         set_parallel_state(saved_ps)
         if sw.global_state is not None:
             sw.global_state.restore(saved_global)
         set_rng_state(saved_rng)
-    if not sw._all_built(failure is None):
-        built = None
-        if groups_ahead is None:  # groups made here, maybe not as many everywhere
-            resync_groups(sw.group)
-        sw.ahead_why = f"building ahead failed on {where_failed(failure)}"
-        return sw.ahead_why
-    assert built is not None
-    built.seconds = time.perf_counter() - t0
-    sw._built, sw._ahead, sw.ahead_why = built, None, None
-    return None
+    return built, failure
 
 
 def cannot_build_ahead(sw: LiveSwitcher) -> str | None:
@@ -251,9 +297,6 @@ def cannot_build_ahead(sw: LiveSwitcher) -> str | None:
         return "the switch's planning failed (the switch says why)"
     prep = sw._pending.result()
     world = sw._ahead.world if sw._ahead is not None else None
-    if not prep.in_place and isinstance(world, Joinworld):
-        return ("devices join: the destination's job is built at the switch (its build runs "
-                "collectives with the joiners, which are not at this boundary)")
     if not prep.in_place and world is None:
         return ("the world changes and its destination's world is not made ahead (see "
                 "groups_ahead): the destination's job is built in its own group, at the "

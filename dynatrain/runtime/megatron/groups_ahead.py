@@ -346,11 +346,16 @@ class GroupsAhead:
     def entered(self) -> Iterator[None]:
         """Inside, the destination's world is torch's default group and megatron's groups
         made ahead are numbered in it, while the job's world and groups stay as they are (a
-        build ahead of the destination runs here); afterwards, all as it was."""
+        build ahead of the destination runs here; a joiner has no world of its own yet);
+        afterwards, all as it was."""
         c10d = dist.distributed_c10d
         reg = c10d._world
         default, groups = reg.default_pg, len(reg.pg_map)
-        before = self._renumber()
+        if isinstance(self.world, Joinworld):  # its groups are numbered in it since made
+            before = {}
+            self._number_joined()
+        else:
+            before = self._renumber()
         try:
             yield
         finally:

@@ -908,15 +908,21 @@ class LiveSwitcher:
                 prep, failure = None, err
             if prep is not None:  # the destination's world, with the job's processes
                 self._join_ahead(src, dst, dst_spec, g)
-            # The source's leader (its first device) posts the go once its job agreed.
-            go = rdzv.wait(f"go/{g}", left(), unless="closed", who=src.devices[:1])
+            # The source's leader (its first device) posts the go once its job agreed; before
+            # that, it may post that the job builds the destination ahead, with the joiners.
+            build = f"build/{g}"
+            go = rdzv.wait(f"go/{g}", left(), unless=("closed", build), who=src.devices[:1])
+            if go is None and prep is not None and rdzv.has(build) and not rdzv.has("closed"):
+                ahead_build.build_joined(self, prep)
+                go = rdzv.wait(f"go/{g}", left(), unless="closed", who=src.devices[:1])
             if go is None:
                 return None
             self._watch = g + 1
             if not go["go"]:
-                if self._ahead is not None:
-                    self._ahead.discard()
-                    self._ahead = None
+                ahead = self._built.ahead if self._built is not None else self._ahead
+                self._built = self._ahead = None
+                if ahead is not None:
+                    ahead.discard()
                 g += 1
                 continue
             world = WorldSwitch(self, prep, self.device, rdzv, src=src, generation=g)

@@ -188,9 +188,10 @@ class Rendezvous:
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
     def wait(self, key: str, timeout: float | None = None, *,
-             unless: str | None = None, poll: float = 0.05,
+             unless: str | Sequence[str] | None = None, poll: float = 0.05,
              who: Sequence[str] = ()) -> dict | None:
-        """The document under ``key`` once it exists; None if ``unless`` appears first.
+        """The document under ``key`` once it exists; None if ``unless`` (a key, or any of
+        several) appears first.
 
         Polls the store, from every millisecond up to every ``poll`` seconds. ``who``: the
         devices expected to post ``key``, named in the log and the error.
@@ -203,10 +204,11 @@ class Rendezvous:
         deadline = time.monotonic() + limit
         waiting = _Waiting(f"waiting for {key!r}", limit)
         pause = 0.001
+        others = [unless] if isinstance(unless, str) else list(unless or ())
         while True:
             if self.store.check([key]):
                 return json.loads(self.store.get(key))
-            if unless is not None and self.store.check([unless]):
+            if any(self.store.check([k]) for k in others):
                 return None
             if time.monotonic() > deadline:
                 by = f" (to be posted by {_names(who)})" if who else ""

@@ -98,7 +98,7 @@ class WorldSwitch:
                 else:
                     lap("plan_vote")
                     ahead.discard()
-                    ahead = None
+                    ahead = built = None
                     rdzv.form(f"g{g}/switch", union, self.device)
                 lap("switch_group")
             else:
@@ -157,7 +157,9 @@ class WorldSwitch:
         report["built_ahead"] = built is not None
         if built is not None:
             seconds["build_ahead"] = built.seconds
-            report["arrived_at"], report["left_at"] = self.sw._arrived, time.time()
+            # A joiner was not in the job when it stopped: it reports no arrival.
+            arrived = self.sw._arrived if self.src_rank is not None else 0.0
+            report["arrived_at"], report["left_at"] = arrived, time.time()
         report["groups_ahead"] = self.sw.groups_taken if new is not None else 0
         role = ("left" if new is None else "stayed" if self.src_rank is not None else "joined")
         seconds.update(plan=prep.plan_seconds, verify=prep.verify_seconds,

@@ -203,7 +203,7 @@ def build_ahead(sw: LiveSwitcher) -> str | None:
         assert sw.rendezvous is not None
         sw.rendezvous.post(f"build/{prep.generation}", {"build": True})
     built, failure = build_in(sw, prep, groups_ahead)
-    ok = (all_in_world(groups_ahead, failure is None) if joined
+    ok = (all_in_world(groups_ahead, failure is None, prep.digest) if joined
           else sw._all_built(failure is None))
     if not ok:
         built = None
@@ -230,7 +230,7 @@ def build_joined(sw: LiveSwitcher, prep: Prepared) -> None:
     if ahead.world_group is None:
         return
     built, failure = build_in(sw, prep, ahead) if ready else (None, None)
-    if all_in_world(ahead, built is not None):
+    if all_in_world(ahead, built is not None, prep.digest):
         assert built is not None
         built.seconds = time.perf_counter() - t0
         sw._built, sw._ahead = built, None
@@ -238,12 +238,19 @@ def build_joined(sw: LiveSwitcher, prep: Prepared) -> None:
         sw.ahead_why = f"building ahead failed on {where_failed(failure)}"
 
 
-def all_in_world(ahead: GroupsAhead, ok: bool) -> bool:
-    """Whether every process of the destination's world made ahead says ``ok`` (an
-    all-reduce MIN on its own group: the job's processes and the joiners)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ahead.world_group)
-    return bool(int(flag.item()))
+def all_in_world(ahead: GroupsAhead, ok: bool, digest: bytes) -> bool:
+    """Whether every process of the destination's world made ahead (the job's processes
+    and the joiners) says ``ok`` for the same plan (``digest``): one all-gather on the
+    world's own group. Where all did, torch's group counter is agreed too (``resync``: the
+    joiners' count is not the job's), so the switch needs neither a plan vote nor that."""
+    mine = torch.cat([torch.tensor([1 if ok else 0], dtype=torch.int64),
+                      torch.frombuffer(bytearray(digest), dtype=torch.int64)])
+    got = [torch.zeros_like(mine) for _ in range(ahead.world.size)]
+    dist.all_gather(got, mine, group=ahead.world_group)
+    agreed = all(bool(g[0]) and torch.equal(g[1:], mine[1:]) for g in got)
+    if agreed:
+        resync_groups(ahead.world_group)
+    return agreed
 
 
 def build_in(sw: LiveSwitcher, prep: Prepared, groups_ahead: GroupsAhead | None

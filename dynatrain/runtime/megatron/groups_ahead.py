@@ -366,12 +366,13 @@ class GroupsAhead:
             raise RuntimeError("groups ahead: the build made process groups of its own "
                                f"({len(reg.pg_map) - groups}); it runs at the switch")
 
-    def promote(self) -> None:
+    def promote(self, counted: bool = False) -> None:
         """Make the destination's world this process's default group (a ``world`` that this
         process stays in, once ``ready`` said so on every process; devices leaving: after
         the switch's exchange, joining: before it): every other group of the old world is
         destroyed and the groups made ahead are numbered in the new world's ranks.
-        ``initialize`` then hands them to megatron."""
+        ``initialize`` then hands them to megatron. ``counted``: torch's group counter was
+        agreed already (a join's build ahead did)."""
         reg = dist.distributed_c10d._world
         if isinstance(self.world, Joinworld):
             self._number_joined()
@@ -383,7 +384,7 @@ class GroupsAhead:
             dist.destroy_process_group(pg)  # the old world's: its default is no longer one
         pg = None  # noqa: F841 — ``old`` holds the last references, dropped in the background
         release_in_background(old)
-        if isinstance(self.world, Joinworld):
+        if isinstance(self.world, Joinworld) and not counted:
             # The joiners' count of torch's groups is not the job's: later groups (named by
             # it) must be named alike everywhere.
             resync()

@@ -143,6 +143,9 @@ def _group_s(rdzv: Rendezvous) -> float:
     return rdzv.group_timeout if rdzv.group_timeout is not None else rdzv.timeout
 
 
+BUILT_POLL = 0.005  # seconds between a joiner's looks for the go once it built ahead
+
+
 class LiveSwitcher:
     """Plans, verifies and runs layout switches of the Megatron job on this process.
 
@@ -914,7 +917,11 @@ class LiveSwitcher:
             go = rdzv.wait(f"go/{g}", left(), unless=("closed", build), who=src.devices[:1])
             if go is None and prep is not None and rdzv.has(build) and not rdzv.has("closed"):
                 ahead_build.build_joined(self, prep)
-                go = rdzv.wait(f"go/{g}", left(), unless="closed", who=src.devices[:1])
+                # Built: the switch comes at the job's next boundary or so; polled more often
+                # than a spare's idle wait, as the job waits for the joiners from its go.
+                poll = BUILT_POLL if self._built is not None else 0.05
+                go = rdzv.wait(f"go/{g}", left(), unless="closed", who=src.devices[:1],
+                               poll=poll)
             if go is None:
                 return None
             self._watch = g + 1

@@ -90,7 +90,12 @@ class WorldSwitch:
             seconds["groups_wait"] = time.perf_counter() - waited
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
-            if ahead is not None and isinstance(ahead.world, Joinworld):
+            if ahead is not None and isinstance(ahead.world, Joinworld) and built is not None:
+                # Devices join, the destination built ahead: every process of the world agreed
+                # on the plan then (``build_ahead.all_in_world``), torch's group count too.
+                ahead.promote(counted=True)
+                lap("switch_group")
+            elif ahead is not None and isinstance(ahead.world, Joinworld):
                 # Devices join: the vote says whether every process made the world ahead.
                 if self._plan_vote(union, failure, ahead.ready(0)):
                     lap("plan_vote")

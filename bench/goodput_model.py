@@ -45,7 +45,7 @@ def scale_model(args, cold_start: float) -> list[dict]:
       build + load, at ``--ckpt-GBps`` per device; it trains on every device that stays;
     * live, world ahead: the same with the communicators and the job formed while the job
       trains, so the switch is the exchange and its commit vote (built on gloo where devices
-      only leave, as on notice; not for devices joining, nor NCCL communicators);
+      only leave, as on notice, or join after the job's devices; not NCCL communicators);
     * dp-only: the replicas' cross-replica communicators formed again (a group of as many
       members as replicas; each replica's own keep running), a returning replica healing its
       state from a peer over its NICs; it trains on whole replicas only (those without a node

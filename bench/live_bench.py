@@ -180,7 +180,7 @@ def checkpoint_switch(sw, result, path: str, ckpt: dict, store, model: str, k: i
         # The live downtime by phase, each phase's slowest process.
         rec["live_phases_s"] = {n: max(p.get(n, 0.0) for p in phases) for n in phases[0]}
         rec["ckpt_downtime_s"] = ckpt["save"] + regroup + build + load
-        rec["live_built_ahead_s"] = built_ahead  # 0: built at the switch (devices join)
+        rec["live_built_ahead_s"] = built_ahead  # 0: built at the switch
         rec["live_wall_s"] = plan_verify + built_ahead + downtime
         store.set(f"bench/{model}/record/{k}", json.dumps(rec))
     if not same:  # train on from the live switch's state (megatron's reload can be wrong)

@@ -261,9 +261,10 @@ def run(device: str, rdzv: Rendezvous, schedule: list, iterations: int, args) ->
         if it + ahead in switch_at:
             pending = sw.prepare(switch_at[it + ahead][0])  # plans while it trains
         if it + 1 in switch_at and pending is not None:
-            # The boundary before the switch: a same-devices switch's destination job is built
-            # now (once every process has its plan), so the switch only checks, exchanges and
-            # votes. Another world's is built at the switch (the reason is kept).
+            # The boundary before the switch: the destination job is built now (once every
+            # process has its plan; where the world changes, in its world made ahead, the
+            # joiners building with the job), so the switch only checks, exchanges and votes.
+            # Where it cannot be, it is built at the switch (the reason is kept).
             futures.wait([pending])
             sw.build_ahead()
         loss = trainer.step(job)

@@ -241,11 +241,13 @@ def test_a_world_where_devices_join_is_made_ahead_beside_the_jobs() -> None:
     assert [r["later"] for r in got] == [None, 5.0, 5.0, None]
 
 
-def test_a_joinworld_holds_the_job_first(monkeypatch) -> None:
+def test_a_joinworld_holds_the_whole_job_and_more(monkeypatch) -> None:
     w = joinworld(JOB, DEVICES, DEVICES[3], "ahead/g1", None, timeout=5)
     assert w is not None and (w.size, w.rank) == (4, 3)
     assert joinworld(JOB, DEVICES[1:], DEVICES[1], "n", None, timeout=5) is None  # gpu0 leaves
-    assert joinworld(JOB, (DEVICES[2], *JOB), DEVICES[2], "n", None, timeout=5) is None
+    # A joiner first: ranks are the destination's (the switch runs in that order).
+    w = joinworld(JOB, (DEVICES[2], *JOB), JOB[0], "n", None, timeout=5)
+    assert w is not None and (w.size, w.rank) == (3, 1)
     assert joinworld(JOB, JOB, DEVICES[0], "n", None, timeout=5) is None  # nobody joins
 
 

@@ -4,14 +4,16 @@ dist-checkpoint reload.
 Forked processes (``megatron_support.elastic``) meet through a ``Rendezvous`` on one store. The
 job trains in A = TP2·DP2 on four devices, then (every switch planned while the job runs):
 
-1. shrinks to B = TP2·DP1 on gpu0-1: gpu2 leaves and idles as a spare, gpu3 leaves and exits;
-   a fresh process for gpu3 is started afterwards (it reaches the job only through the store);
-2. tries to grow to TP1·DP4 on gpu0-1 + gpu4-5, whose processes never come: the switch group
-   never forms, the sources roll back (groups formed again, job rebuilt);
+1. shrinks to B = TP2·DP1 on gpu0 and gpu2: gpu1 leaves and idles as a spare, gpu3 leaves and
+   exits; a fresh process for gpu3 is started afterwards (it reaches the job only through the
+   store);
+2. tries to grow to TP1·DP4 on gpu0, gpu2, gpu4-5, whose processes never come: the switch
+   group never forms, the sources roll back (groups formed again, job rebuilt);
 3. tries to grow to C = PP2·VPP2·DP2 on gpu0-3 while the destination build fails on the fresh
    gpu3: the commit vote fails after the exchange, everyone rolls back, the joiners' ``join``
    fails and they wait again;
-4. grows to C with the spare (gpu2) and the fresh process (gpu3).
+4. grows to C with the spare (gpu1, between the job's devices in C's order) and the fresh
+   process (gpu3).
 
 After each committed switch every destination process holds, bit for bit, what a fresh job of
 the destination loads from megatron's dist-checkpoint of the source (model, DDP buffers,
@@ -45,6 +47,7 @@ MOE_MODEL = dict(num_layers=2, swiglu=True, vocab_size=200, **MOE, **live.EXPERT
 TIMEOUT = 20.0
 MISSING_TIMEOUT = 2.0  # how long the switch group waits for processes that never come
 DEV = [f"node0:gpu{i}" for i in range(4)]
+STAY, LEAVE = (DEV[0], DEV[2]), (DEV[1], DEV[3])  # the dense job's shrink
 
 
 @dataclass
@@ -72,10 +75,10 @@ class Scenario:
 
 
 DENSE = Scenario(
-    cases={"a": case("a", 4, tp=2, **MODEL), "b": case("b", 2, tp=2, **MODEL),
+    cases={"a": case("a", 4, tp=2, **MODEL),
+           "b": dict(case("b", 2, tp=2, **MODEL), devices=list(STAY)),
            "c": case("c", 4, pp=2, vpp=2, **MODEL),
-           "dp4": dict(case("dp4", 4, **MODEL), devices=["node0:gpu0", "node0:gpu1",
-                                                         "node0:gpu4", "node0:gpu5"])},
+           "dp4": dict(case("dp4", 4, **MODEL), devices=[*STAY, "node0:gpu4", "node0:gpu5"])},
     schedule=[("b", "commit"), ("dp4", "missing"), ("c", "build fails"), ("c", "commit")],
     exit_on_leave=("node0:gpu3",), fresh=("node0:gpu3",), fail_fresh_build="c",
     build_ahead_at=(0, 3))
@@ -211,8 +214,9 @@ def _checked(tr, res: SwitchResult, spec, ckpt: str, step: int) -> dict:
 def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
     ev = _run(DENSE)
 
-    # 1. shrink: gpu0-1 stay and equal the checkpoint reload; gpu2 (spare) and gpu3 leave.
-    for d in DEV[:2]:
+    # 1. shrink: gpu0 and gpu2 stay and equal the checkpoint reload; gpu1 (spare) and gpu3
+    # leave.
+    for d in STAY:
         e = ev[d][0]
         assert e["role"] == "stayed" and e["pre"] == [] and e["post"] == [], (d, e)
         assert e["n_state"] > 10
@@ -228,38 +232,39 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
         assert abs(before - after) <= 1e-12 * abs(before), (before, after)
         assert (e["eval_before"]["micro_batches"], e["eval_after"]["micro_batches"]) == (4, 8)
     assert ev["node0:gpu3"][0]["left"] and len(ev["node0:gpu3"]) == 2  # left, then exited
-    assert ev["node0:gpu2"][0]["left"]
-    for d in DEV[2:]:  # the leaving processes built nothing, and agreed
+    assert ev["node0:gpu1"][0]["left"]
+    for d in LEAVE:  # the leaving processes built nothing, and agreed
         assert ev[d][0]["ahead"] == {"why": None, "diffs": []}, ev[d][0]["ahead"]
         assert ev[d][0]["report"]["built_ahead"], ev[d][0]["report"]
 
     # 2. gpu4-5 never come: the sources roll back.
     # 3. the build fails on the fresh gpu3: everyone rolls back after the exchange.
-    for d in DEV[:2]:
+    for d in STAY:
         for e in ev[d][1:3]:
             assert "rolled back" in e["rolled_back"] and not e["same_object"], (d, e)
             assert e["diffs"] == [], (d, e["diffs"][:5])
             assert e["eval"][0]["losses"] == e["eval"][1]["losses"]
-    assert ev["node0:gpu2"][1][0] == "join failed"
+    assert ev["node0:gpu1"][1][0] == "join failed"
     assert ev["fresh-node0:gpu3"][0][0] == "join failed"
     assert "injected build failure" in ev["fresh-node0:gpu3"][0][1]
 
-    # 4. grow: stayed (gpu0-1), joined from a spare (gpu2) and freshly started (gpu3).
-    final = {"node0:gpu0": ev["node0:gpu0"][3], "node0:gpu1": ev["node0:gpu1"][3],
-             "node0:gpu2": ev["node0:gpu2"][2], "node0:gpu3": ev["fresh-node0:gpu3"][1]}
+    # 4. grow: stayed (gpu0, gpu2), joined from a spare (gpu1) and freshly started (gpu3).
+    final = {"node0:gpu0": ev["node0:gpu0"][3], "node0:gpu2": ev["node0:gpu2"][3],
+             "node0:gpu1": ev["node0:gpu1"][2], "node0:gpu3": ev["fresh-node0:gpu3"][1]}
     roles = {d: e["role"] for d, e in final.items()}
-    assert roles == {"node0:gpu0": "stayed", "node0:gpu1": "stayed", "node0:gpu2": "joined",
+    assert roles == {"node0:gpu0": "stayed", "node0:gpu2": "stayed", "node0:gpu1": "joined",
                      "node0:gpu3": "joined"}
     _assert_equal_to_reload(final)
     assert all(e["eval_after"]["micro_batches"] == 4 for e in final.values())
-    # Devices joined at the end of the order: the destination's world and groups were made
-    # while the job trained (with the joiners, while they waited), and the destination job
-    # was built in that world at the boundary before, by the job's processes and the joiners
-    # together; the job's source state stayed exactly as it was.
+    # Devices joined (one between the job's devices in the destination's order): the
+    # destination's world and groups were made while the job trained (with the joiners,
+    # while they waited), and the destination job was built in that world at the boundary
+    # before, by the job's processes and the joiners together; the job's source state stayed
+    # exactly as it was.
     for d, e in final.items():
         assert e["world_ahead"] and e["groups_ahead"] > 10, (d, e["groups_ahead"])
         assert e["built_ahead"] and not e["built_at_switch"], (d, e["seconds"])
-    for d in DEV[:2]:
+    for d in STAY:
         assert final[d]["ahead"] == {"why": None, "diffs": []}, (d, final[d]["ahead"])
     # Every process of the last layout trained one more iteration together.
     assert all(ev[n][-1]["final"] is not None

@@ -53,7 +53,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -205,13 +205,13 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
            dst_store: Storage | None = None,
            check_transfers: bool = False,
            fill: Callable[[Storage | None, dist.ProcessGroup, tuple[str, ...], torch.device],
-                          object] | None = None) -> tuple[Storage | None, dict]:
+                          object] | None = None,
+           devices: Sequence[str] | None = None) -> tuple[Storage | None, dict]:
     """Run ``plan`` on this process; every process of the switch calls it.
 
     Args:
         plan: a verified plan; ``src_view``/``dst_view`` are the state views of its layouts.
-        device: this process's device; it must be rank ``process_devices(plan).index(device)``
-            of ``group``.
+        device: this process's device; it must be rank ``devices.index(device)`` of ``group``.
         src_store: this device's source storage (None iff the device is not a source device).
             Only read, never written.
         group: the process group of exactly the switch's processes (None: the default group).
@@ -235,6 +235,9 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
             group rank order, the tensor device): writes state that comes from outside the
             plan's sources (a recovery's buddy copies, ``megatron.buddy.run_fill``). A failure
             in it aborts the switch like a failed round.
+        devices: the switch's processes in ``group``'s rank order (default
+            ``process_devices(plan)``); the same devices in any order (a group made ahead in
+            the destination's order, ``megatron.groups_ahead.Joinworld``).
 
     Returns:
         (destination storage, or None if the device is not a destination device; the report
@@ -251,7 +254,7 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     try:
         return _switch(plan, src_view, dst_view, device, src_store, pg, timeout,
                        destroy_group_on_abort, verify_source, on_round, dst_store,
-                       check_transfers, fill)
+                       check_transfers, fill, devices)
     finally:  # the group is the caller's (often its default group): its own timeout again
         if previous is not None and not _destroyed(pg):
             pg.set_timeout(previous)
@@ -280,12 +283,18 @@ def _switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
             on_round: Callable[[int], None] | None, dst_store: Storage | None,
             check_transfers: bool,
             fill: Callable[[Storage | None, dist.ProcessGroup, tuple[str, ...], torch.device],
-                           object] | None) -> tuple[Storage | None, dict]:
+                           object] | None,
+            order: Sequence[str] | None = None) -> tuple[Storage | None, dict]:
     """``switch`` on the group ``pg``, whose timeout it sets to ``timeout``."""
     t_start = time.perf_counter()
     td = datetime.timedelta(seconds=timeout)
     where = _Where()
     devices = process_devices(plan)
+    if order is not None:
+        if sorted(order) != sorted(devices):
+            raise ValueError(f"devices: {len(order)} given, not the switch's {len(devices)} "
+                             f"processes ({devices[0]}, ...) in some order")
+        devices = tuple(order)
     on = tensor_device(src_store, dst_store, pg)
     # Sends are packed ahead only within what the verified plan says this device stages in
     # its busiest round, so the verifier's memory check (state plus that) holds at run time.
@@ -508,7 +517,7 @@ def _bind(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     index = devices.index(device)
     if pg.size() != len(devices) or pg.rank() != index:
         raise ValueError(f"process of {device} must be rank {index} of a group of "
-                         f"{len(devices)} (the sorted device union); got rank {pg.rank()} "
+                         f"{len(devices)} (the switch's processes); got rank {pg.rank()} "
                          f"of {pg.size()}")
     src_rank = plan.src_devices.index(device) if device in plan.src_devices else None
     dst_rank = plan.dst_devices.index(device) if device in plan.dst_devices else None

@@ -1,6 +1,6 @@
 """A switch's destination job, built at an iteration boundary before the switch
 (``LiveSwitcher.build_ahead`` runs ``build_ahead`` here; a same-devices switch then runs
-``switch_built``, a switch where devices only leave ``world.WorldSwitch`` with the job built).
+``switch_built``, a switch that changes the world ``world.WorldSwitch`` with the job built).
 
 Building the destination (megatron's modules, DDP buffers, the distributed optimizer and its
 state, bound as the plan's destination storage) depends on the destination layout only, not on
@@ -20,6 +20,12 @@ are those of the boundary where it ran.
 Where devices only leave, the destination's world is not the job's: it was made inside the
 job's world (``groups_ahead.Subworld``), and the build runs with it as torch's default group
 (``GroupsAhead.entered``), which is put back afterwards; a process that leaves builds nothing.
+Where devices join, the destination's world was made beside the job's, with the joiners
+(``groups_ahead.Joinworld``), and the build runs collectives of that world, so the joiners
+build too: the job's rank 0 posts ``build/<g>`` on the store, each joiner waiting in
+``LiveSwitcher.join`` builds (``build_joined``), and one all-gather in the destination's
+world agrees that every process built the same plan's destination (``all_in_world``); the
+switch then needs no plan vote through the store.
 
 The destination is held beside the training job until the switch. On a GPU it is built ahead
 only if its state plus a reserve fits in what is free (``headroom.free_bytes``): the reserve is

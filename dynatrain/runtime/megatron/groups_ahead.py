@@ -123,14 +123,14 @@ class Joinworld:
 
 def joinworld(src: Sequence[str], dst: Sequence[str], device: str, name: str, store: Any,
               timeout: float) -> Joinworld | None:
-    """The destination ``dst`` as a ``Joinworld`` where it is one: it holds the source's
-    devices first, in their order, then the joiners (so the switch runs in it as it is),
-    and torch has what making and promoting it needs; else None."""
+    """The destination ``dst`` as a ``Joinworld`` where it is one: it holds every device of
+    the source and more (in any order: the switch runs in it, its processes in the
+    destination's order), and torch has what making and promoting it needs; else None."""
     c10d = dist.distributed_c10d
     if not all(hasattr(c10d, f) for f in ("_update_default_pg", "_world",
                                           "_new_process_group_helper")):
         return None
-    if len(dst) <= len(src) or tuple(dst[:len(src)]) != tuple(src) or device not in dst:
+    if not set(src) < set(dst) or device not in dst:
         return None
     return Joinworld(len(dst), list(dst).index(device), name, store,
                      datetime.timedelta(seconds=timeout))

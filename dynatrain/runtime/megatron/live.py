@@ -426,17 +426,19 @@ class LiveSwitcher:
     def build_ahead(self) -> str | None:
         """Build the prepared switch's destination job now, so that ``switch`` runs only the
         job check, the exchange and the commit vote (``build_ahead.py``): a same-devices
-        switch's, or, where devices only leave, in the destination's world made ahead
-        (``groups_ahead``; a leaving process builds nothing).
+        switch's, or, where the world changes, in the destination's world made ahead
+        (``groups_ahead``; a leaving process builds nothing; joiners waiting in ``join`` are
+        told through the store and build with the job's processes).
 
         Every process of the job calls it at the same iteration boundary, after ``prepare``
         and once ``ready()`` on every process; the job then trains on in its own layout,
         exactly as before (megatron's parallel state, ``global_state`` and RNG streams are put
         back), until ``switch``. The destination's groups are those made ahead, or are made
-        now. Returns None when built, else why not (the switch then builds at its own time):
-        devices join, the world changes and its world was not made ahead, the planning
-        failed, no room beside the job, or a build that failed on some process; every
-        process returns None or every process a reason. The build's
+        now; where devices join, this waits for the joiners to have made them (at most
+        ``timeout``). Returns None when built, else why not (the switch then builds at its
+        own time): the world changes and its world was not made ahead, the planning failed,
+        no room beside the job, or a build that failed on some process (a joiner's too);
+        every process returns None or every process a reason. The build's
         time is ``seconds["build_ahead"]`` of the switch's result (not downtime: the job
         trains between it and the switch).
         """

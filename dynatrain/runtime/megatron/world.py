@@ -115,15 +115,19 @@ class WorldSwitch:
                     lap("plan_vote")
             assert prep is not None
             src_view, dst_view = transition_views(prep.src, prep.dst)
+            # A join's world made ahead, now the default group, numbers its processes in the
+            # destination's order.
+            joined = ahead is not None and isinstance(ahead.world, Joinworld)
             dst_store, report = switch(prep.plan, src_view, dst_view, self.device, src_store,
                                        None, timeout=self.sw.timeout,
                                        check_transfers=self.sw.check_transfers,
-                                       dst_store=built.storage if built is not None else None)
+                                       dst_store=built.storage if built is not None else None,
+                                       devices=dst_devices if joined else None)
             src_store = None
             lap("exchange")
             # The switch's group is the destination's when both hold the same processes in the
             # same order (e.g. spares joining, nobody leaving): kept, not formed again.
-            keep = tuple(union) == tuple(dst_devices)
+            keep = joined or tuple(union) == tuple(dst_devices)
             if ahead is not None and isinstance(ahead.world, Subworld) \
                     and self.device in dst_devices:
                 ahead.promote()  # the destination's world, made ahead, is the default now
@@ -214,7 +218,7 @@ class WorldSwitch:
             return None
         ok = ahead.ready(sw.timeout)  # its thread creates groups: done before any other is
         if isinstance(ahead.world, Joinworld) and self.prep is not None \
-                and union == self.prep.dst.devices:
+                and set(union) == set(self.prep.dst.devices):
             return ahead  # agreed in the plan vote, joiners included
         if isinstance(ahead.world, Subworld) and self.prep is not None \
                 and union == self.src.devices and sw._all_built(ok):

@@ -108,6 +108,7 @@ class Job:
     given_dst: bool = False  # pass allocated destination storage as dst_store
     replacement: bool = False  # a process started in place of a killed one: retry only
     check_transfers: bool = False  # switch(check_transfers=...) on every attempt
+    devices_given: bool = False  # switch(devices=job.devices): the group in another order
 
 
 def _init(job: Job, idx: int, attempt: int) -> None:
@@ -228,7 +229,8 @@ def _worker(idx: int, job: Job) -> None:
         if job.given_dst and device in job.plan.dst_devices:
             given = allocate(job.dst, job.plan.dst_devices.index(device))
         dst, report = switch(job.plan, job.src, job.dst, device, src, timeout=job.timeout,
-                             dst_store=given, check_transfers=job.check_transfers)
+                             dst_store=given, check_transfers=job.check_transfers,
+                             devices=job.devices if job.devices_given else None)
         if given is not None and dst is not given:
             res["errors"].append(f"{device}: dst_store was not the storage returned")
         res["seconds"] = time.perf_counter() - t0
@@ -246,7 +248,10 @@ def run_switch(name: str, tmp_path: Path, timeout: float = 20.0, fault: str = "n
     src, dst, budget = CASES[name]
     sv, dv = transition_views(Layout(src), Layout(dst))  # padding rows both hold are carried
     plan = plan_transition(sv.layout, dv.layout, budget)
-    job = Job(plan, sv, dv, process_devices(plan), tmp_path, timeout, fault, **kw)
+    order = process_devices(plan)
+    if kw.get("devices_given"):  # the group's ranks in reverse: only ``devices`` says so
+        order = order[::-1]
+    job = Job(plan, sv, dv, order, tmp_path, timeout, fault, **kw)
     ctx = tmp.start_processes(_worker, args=(job,), nprocs=len(job.devices), join=False,
                               start_method="fork")
     deadline = time.monotonic() + 90
@@ -301,6 +306,26 @@ def test_switch_is_bit_exact_across_processes(name: str, tmp_path: Path,
         assert len(job.plan.rounds) > 3
     if job.plan.derived:
         assert all("param" not in t.kinds for m in job.plan.messages() for t in m.transfers)
+
+
+@pytest.mark.parametrize("name", ["pp2-vpp2->tp2-pp2", "tp1->tp2-dp2-small-budget"])
+def test_switch_in_a_group_of_another_order_is_bit_exact(name: str, tmp_path: Path,
+                                                         small_pieces: None) -> None:
+    # A join's world made ahead numbers its processes in the destination's order
+    # (megatron.groups_ahead.Joinworld): the group's order is given as ``devices``.
+    job, results = run_switch(name, tmp_path, devices_given=True, check_transfers=True)
+    assert job.devices != process_devices(job.plan)
+    assert [e for r in results for e in r["errors"]] == []
+    assert sum(r["report"]["bytes_received"] for r in results) == job.plan.stats["bytes_moved"]
+
+
+def test_devices_must_be_the_switch_processes() -> None:
+    src, dst, budget = CASES["pp2-vpp2->tp2-pp2"]
+    sv, dv = transition_views(Layout(src), Layout(dst))
+    plan = plan_transition(sv.layout, dv.layout, budget)
+    devices = process_devices(plan)
+    with pytest.raises(ValueError, match="devices: 3 given, not the switch's 4 processes"):
+        switch(plan, sv, dv, devices[0], None, devices=devices[:3])
 
 
 @pytest.mark.parametrize("name", ["pp2-vpp2->tp2-pp2", "moe-ep4-etp1->tp2-etp2-ep2-pp2",

@@ -10,8 +10,9 @@ job trains in A = TP2·DP2 on four devices, then (every switch planned while the
 2. tries to grow to TP1·DP4 on gpu0, gpu2, gpu4-5, whose processes never come: the switch
    group never forms, the sources roll back (groups formed again, job rebuilt);
 3. tries to grow to C = PP2·VPP2·DP2 on gpu0-3 while the destination build fails on the fresh
-   gpu3: the commit vote fails after the exchange, everyone rolls back, the joiners' ``join``
-   fails and they wait again;
+   gpu3, first at the boundary where the job and the joiners build it ahead (every process
+   learns it; the job trains on exactly as before), then at the switch: the commit vote fails
+   after the exchange, everyone rolls back, the joiners' ``join`` fails and they wait again;
 4. grows to C with the spare (gpu1, between the job's devices in C's order) and the fresh
    process (gpu3).
 
@@ -60,7 +61,8 @@ class Scenario:
     schedule: list[tuple[str, str]]
     exit_on_leave: tuple[str, ...]
     fresh: tuple[str, ...]
-    fail_fresh_build: str | None = None  # a fresh process's first build of this layout fails
+    fail_fresh_build: str | None = None  # a fresh process's first builds of this layout fail
+    fail_fresh_builds: int = 1  # how many of them
     global_batch: int = 8
     build_ahead_at: tuple[int, ...] = ()  # switches whose destination job is built ahead
 
@@ -81,7 +83,7 @@ DENSE = Scenario(
            "dp4": dict(case("dp4", 4, **MODEL), devices=[*STAY, "node0:gpu4", "node0:gpu5"])},
     schedule=[("b", "commit"), ("dp4", "missing"), ("c", "build fails"), ("c", "commit")],
     exit_on_leave=("node0:gpu3",), fresh=("node0:gpu3",), fail_fresh_build="c",
-    build_ahead_at=(0, 3))
+    fail_fresh_builds=2, build_ahead_at=(0, 2, 3))
 MOE_ETP = Scenario(
     cases={"ma": case("ma", 4, ep=2, etp=2, **MOE_MODEL),
            "mb": case("mb", 2, ep=2, etp=1, **MOE_MODEL),
@@ -100,14 +102,14 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
     def fn(store) -> dict:
         rdzv = Rendezvous(store, "gloo", prefix="job", timeout=TIMEOUT)
         tr = elastic.Trainer(configs, sc.global_batch)
-        fail_build = {"on": fresh and sc.fail_fresh_build is not None}
+        fail_build = {"left": sc.fail_fresh_builds if fresh and sc.fail_fresh_build else 0}
 
         def build(spec):
             job = tr.build(spec)
-            if fail_build["on"] and spec.name == sc.fail_fresh_build:
+            if fail_build["left"] and spec.name == sc.fail_fresh_build:
                 # At the end: a build that fails inside its collectives (the tied embedding's
                 # all-reduce) fails its peers too, but only at their timeout.
-                fail_build["on"] = False
+                fail_build["left"] -= 1
                 raise RuntimeError("injected build failure")
             return job
 
@@ -165,6 +167,7 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
                 restored = e.job
                 out["events"].append({
                     "step": step, "rolled_back": str(e), "same_object": restored is job,
+                    "ahead": ahead,
                     "diffs": live.native_diffs(before, tr.state(restored)),
                     "eval": (eval_before, tr.step(restored, forward_only=True))})
                 job, step = restored, step + 1
@@ -244,6 +247,12 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
             assert "rolled back" in e["rolled_back"] and not e["same_object"], (d, e)
             assert e["diffs"] == [], (d, e["diffs"][:5])
             assert e["eval"][0]["losses"] == e["eval"][1]["losses"]
+    # The build ahead of step 3 failed on the fresh gpu3: every process of the job learnt it,
+    # and the job was exactly as before; the switch built at its own time (and failed).
+    for d in STAY:
+        why = ev[d][2]["ahead"]["why"]
+        assert why and why.startswith("building ahead failed"), (d, why)
+        assert ev[d][2]["ahead"]["diffs"] == [], (d, ev[d][2]["ahead"]["diffs"][:5])
     assert ev["node0:gpu1"][1][0] == "join failed"
     assert ev["fresh-node0:gpu3"][0][0] == "join failed"
     assert "injected build failure" in ev["fresh-node0:gpu3"][0][1]

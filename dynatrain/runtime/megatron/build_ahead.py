@@ -209,8 +209,12 @@ def build_ahead(sw: LiveSwitcher) -> str | None:
         assert sw.rendezvous is not None
         sw.rendezvous.post(f"build/{prep.generation}", {"build": True})
     built, failure = build_in(sw, prep, groups_ahead)
-    ok = (all_in_world(groups_ahead, failure is None, prep.digest) if joined
-          else sw._all_built(failure is None))
+    if joined:
+        assert groups_ahead is not None
+        ok, failure = agreed_in_world(sw, groups_ahead, failure is None, prep.digest, failure)
+        ok = sw._all_built(ok)  # the job's own processes: one answer, whatever befell the world
+    else:
+        ok = sw._all_built(failure is None)
     if not ok:
         built = None
         if groups_ahead is None:  # groups made here, maybe not as many everywhere
@@ -236,12 +240,26 @@ def build_joined(sw: LiveSwitcher, prep: Prepared) -> None:
     if ahead.world_group is None:
         return
     built, failure = build_in(sw, prep, ahead) if ready else (None, None)
-    if all_in_world(ahead, built is not None, prep.digest):
+    ok, failure = agreed_in_world(sw, ahead, built is not None, prep.digest, failure)
+    if ok:
         assert built is not None
         built.seconds = time.perf_counter() - t0
         sw._built, sw._ahead = built, None
     else:
         sw.ahead_why = f"building ahead failed on {where_failed(failure)}"
+
+
+def agreed_in_world(sw: LiveSwitcher, ahead: GroupsAhead, ok: bool, digest: bytes,
+                    failure: BaseException | None) -> tuple[bool, BaseException | None]:
+    """``all_in_world``, and the failure to report; where the agreement itself failed (a
+    process of the world died: gloo fails every member's collective), that world is
+    unusable: its groups are destroyed and the switch forms its own."""
+    try:
+        return all_in_world(ahead, ok, digest), failure
+    except Exception as err:  # noqa: BLE001 — reported as the build ahead's failure
+        ahead.discard()
+        sw._ahead = None
+        return False, failure or err
 
 
 def all_in_world(ahead: GroupsAhead, ok: bool, digest: bytes) -> bool:

@@ -2,7 +2,8 @@
 
 Every process of the switch calls ``switch`` with the same plan. The processes are the devices
 ``process_devices(plan)`` (the source's devices in rank order, then the destination's new
-ones); the process of device ``devices[i]`` must be rank ``i`` of ``group``. A process holds the source
+ones); the process of device ``devices[i]`` must be rank ``i`` of ``group`` (or of ``switch``'s
+``devices`` order, where the group numbers them otherwise). A process holds the source
 rank its device runs in the plan's source layout (if any) and builds the destination rank its
 device runs in the destination layout (if any); ``Transfer.src_rank``/``dst_rank`` are those
 layout ranks and ``plan.src_devices``/``plan.dst_devices`` map them to devices.

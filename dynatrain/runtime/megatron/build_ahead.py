@@ -75,8 +75,8 @@ class Built:
     rng: dict  # the RNG streams the build left
     groups: int  # megatron groups it took ready-made
     seconds: float  # the build ahead, at its boundary
-    # Where devices leave: the destination's world and groups, made ahead (the switch
-    # promotes the world); then ``job`` and ``storage`` are None on a process that leaves.
+    # Where the world changes: the destination's world and groups, made ahead (the switch
+    # promotes the world); ``job`` and ``storage`` are None on a process that leaves.
     ahead: GroupsAhead | None = None
 
 
@@ -213,6 +213,11 @@ def build_ahead(sw: LiveSwitcher) -> str | None:
         assert groups_ahead is not None
         ok, failure = agreed_in_world(sw, groups_ahead, failure is None, prep.digest, failure)
         ok = sw._all_built(ok)  # the job's own processes: one answer, whatever befell the world
+        if not ok and sw._ahead is not None:
+            # A build that failed may have left the world's groups out of step: every process
+            # drops them (the joiners too, told by the go), and the switch forms its own.
+            sw._ahead.discard()
+            sw._ahead = None
     else:
         ok = sw._all_built(failure is None)
     if not ok:
@@ -230,14 +235,17 @@ def build_ahead(sw: LiveSwitcher) -> str | None:
 def build_joined(sw: LiveSwitcher, prep: Prepared) -> None:
     """A joiner's part of a build ahead (``join`` runs it when the job's leader posts that
     the job builds): its destination job, built with the job's processes in the
-    destination's world made ahead; agreed with them (an all-reduce MIN in that world).
-    Kept for the switch where all built; else the switch builds."""
+    destination's world made ahead; agreed with them (``all_in_world``). Kept for the
+    switch where all built (the go says whether the job did); else the world made ahead is
+    dropped, as every process drops it, and the switch forms its groups and builds."""
     t0 = time.perf_counter()
     ahead = sw._ahead
     if ahead is None:
         return  # no world to agree in (the job's groups could not have been made either)
     ready = ahead.ready(sw.timeout)
-    if ahead.world_group is None:
+    if ahead.world_group is None:  # the job's agreement fails by its timeout, and drops it
+        ahead.discard()
+        sw._ahead = None
         return
     built, failure = build_in(sw, prep, ahead) if ready else (None, None)
     ok, failure = agreed_in_world(sw, ahead, built is not None, prep.digest, failure)
@@ -245,8 +253,11 @@ def build_joined(sw: LiveSwitcher, prep: Prepared) -> None:
         assert built is not None
         built.seconds = time.perf_counter() - t0
         sw._built, sw._ahead = built, None
-    else:
-        sw.ahead_why = f"building ahead failed on {where_failed(failure)}"
+        return
+    sw.ahead_why = f"building ahead failed on {where_failed(failure)}"
+    if sw._ahead is not None:
+        sw._ahead.discard()
+        sw._ahead = None
 
 
 def agreed_in_world(sw: LiveSwitcher, ahead: GroupsAhead, ok: bool, digest: bytes,
@@ -265,16 +276,12 @@ def agreed_in_world(sw: LiveSwitcher, ahead: GroupsAhead, ok: bool, digest: byte
 def all_in_world(ahead: GroupsAhead, ok: bool, digest: bytes) -> bool:
     """Whether every process of the destination's world made ahead (the job's processes
     and the joiners) says ``ok`` for the same plan (``digest``): one all-gather on the
-    world's own group. Where all did, torch's group counter is agreed too (``resync``: the
-    joiners' count is not the job's), so the switch needs neither a plan vote nor that."""
+    world's own group. Where all did, the switch needs no plan vote."""
     mine = torch.cat([torch.tensor([1 if ok else 0], dtype=torch.int64),
                       torch.frombuffer(bytearray(digest), dtype=torch.int64)])
     got = [torch.zeros_like(mine) for _ in range(ahead.world.size)]
     dist.all_gather(got, mine, group=ahead.world_group)
-    agreed = all(bool(g[0]) and torch.equal(g[1:], mine[1:]) for g in got)
-    if agreed:
-        resync_groups(ahead.world_group)
-    return agreed
+    return all(bool(g[0]) and torch.equal(g[1:], mine[1:]) for g in got)
 
 
 def build_in(sw: LiveSwitcher, prep: Prepared, groups_ahead: GroupsAhead | None

@@ -18,7 +18,7 @@ boundary. It
    prepares that one;
 3. builds the destination job ahead (``LiveSwitcher.build_ahead``; a same-devices switch's,
    or one whose destination's world was made ahead: devices only leave, e.g. a notice's,
-   or join at the end of the device order, the joiners building with the job): a
+   or only join, the joiners building with the job): a
    scheduled one's at a boundary before its iteration once every plan is ready, a requested
    one's at the first boundary where every process has its plan ready (an all-reduce of one
    flag), a notice's only while more than two iterations are left before its deadline;
@@ -75,8 +75,9 @@ class LiveControl:
         schedule: iteration -> the layout to switch to at that boundary.
         requests: take up switches posted to the store (needs the switcher's rendezvous).
         prepare_ahead: plan a scheduled switch this many iterations before it is due.
-        build_ahead: build a switch's destination job at a boundary before the switch (``LiveSwitcher.build_ahead``): a scheduled switch's once every process has
-            its plan ready before its iteration; a request's at the first boundary where every
+        build_ahead: build a switch's destination job at a boundary before the switch
+            (``LiveSwitcher.build_ahead``): a scheduled switch's once every process has its
+            plan ready before its iteration; a request's at the first boundary where every
             plan is ready, the switch then at the next one (a notice's only if the time left
             is over two iterations).
     """

@@ -366,13 +366,12 @@ class GroupsAhead:
             raise RuntimeError("groups ahead: the build made process groups of its own "
                                f"({len(reg.pg_map) - groups}); it runs at the switch")
 
-    def promote(self, counted: bool = False) -> None:
+    def promote(self) -> None:
         """Make the destination's world this process's default group (a ``world`` that this
         process stays in, once ``ready`` said so on every process; devices leaving: after
         the switch's exchange, joining: before it): every other group of the old world is
         destroyed and the groups made ahead are numbered in the new world's ranks.
-        ``initialize`` then hands them to megatron. ``counted``: torch's group counter was
-        agreed already (a join's build ahead did)."""
+        ``initialize`` then hands them to megatron."""
         reg = dist.distributed_c10d._world
         if isinstance(self.world, Joinworld):
             self._number_joined()
@@ -384,7 +383,7 @@ class GroupsAhead:
             dist.destroy_process_group(pg)  # the old world's: its default is no longer one
         pg = None  # noqa: F841 — ``old`` holds the last references, dropped in the background
         release_in_background(old)
-        if isinstance(self.world, Joinworld) and not counted:
+        if isinstance(self.world, Joinworld):
             # The joiners' count of torch's groups is not the job's: later groups (named by
             # it) must be named alike everywhere.
             resync()

@@ -38,7 +38,9 @@ processes move between groups:
 2. ``switch`` agrees on the plan in the job's group and posts ``go/<g>`` with the carried
    scheduler state, iteration and samples; every process of the union of both layouts
    (``process_devices(plan)``, rank = index there) then forms the default group of the switch,
-   checks that all planned the same switch and runs it;
+   checks that all planned the same switch and runs it (where the destination's world was
+   made ahead, ``groups_ahead``, the switch runs in it instead, and where the destination
+   was built ahead with the joiners, the build's agreement already checked the plan);
 3. the destination's processes form the destination's default group (rank = layout rank),
    initialize megatron's parallel state, build and install; every process of the union votes
    through the store. Committed: staying and joining processes get the new job; leaving
@@ -143,7 +145,8 @@ def _group_s(rdzv: Rendezvous) -> float:
     return rdzv.group_timeout if rdzv.group_timeout is not None else rdzv.timeout
 
 
-BUILT_POLL = 0.005  # seconds between a joiner's looks for the go once it built ahead
+BUILT_POLL = 0.01  # seconds between a joiner's looks for the go once it built ahead (two
+# store requests each: 200 a second per joiner, for an iteration or two)
 
 
 class LiveSwitcher:
@@ -320,11 +323,18 @@ class LiveSwitcher:
                 if self.rendezvous.count("latest", 1) != generation:
                     raise DynatrainError("another job uses this rendezvous prefix")
             self._open = generation
-        self._built = None  # a superseded switch's destination
+        self._drop_built()  # a superseded switch's destination
         self._pending = self._pool.submit(self._prepare, self.spec, self.layout, dst_spec,
                                           generation)
         self._start_groups_ahead(dst_spec)
         return self._pending
+
+    def _drop_built(self) -> None:
+        """Forget the destination built ahead for a switch that will not run; the groups it
+        was built in are destroyed."""
+        built, self._built = self._built, None
+        if built is not None and built.ahead is not None:
+            built.ahead.discard()
 
     def _start_groups_ahead(self, dst_spec: LayoutSpec) -> None:
         """Start creating the destination's megatron groups (same devices, gloo)."""
@@ -589,8 +599,9 @@ class LiveSwitcher:
         if not prep.in_place:
             assert self.rendezvous is not None and prep.generation is not None
             carry = carried(job)
-            if self.leader:
-                self.rendezvous.post(f"go/{prep.generation}", {"go": True, "carry": carry})
+            if self.leader:  # joiners follow the job on whether the destination was built
+                self.rendezvous.post(f"go/{prep.generation}", {
+                    "go": True, "carry": carry, "built": self._built_for(prep) is not None})
             self._open = None
             world = WorldSwitch(self, prep, self.device, self.rendezvous)
             try:
@@ -917,23 +928,29 @@ class LiveSwitcher:
             # that, it may post that the job builds the destination ahead, with the joiners.
             build = f"build/{g}"
             go = rdzv.wait(f"go/{g}", left(), unless=("closed", build), who=src.devices[:1])
-            if go is None and prep is not None and rdzv.has(build) and not rdzv.has("closed"):
-                ahead_build.build_joined(self, prep)
+            if go is None and not rdzv.has("closed"):  # the job builds ahead: so does this one
+                if prep is not None:
+                    ahead_build.build_joined(self, prep)
                 # Built: the switch comes at the job's next boundary or so; polled more often
                 # than a spare's idle wait, as the job waits for the joiners from its go.
                 poll = BUILT_POLL if self._built is not None else 0.05
                 go = rdzv.wait(f"go/{g}", left(), unless="closed", who=src.devices[:1],
                                poll=poll)
             if go is None:
+                self._drop_built()
                 return None
             self._watch = g + 1
             if not go["go"]:
-                ahead = self._built.ahead if self._built is not None else self._ahead
-                self._built = self._ahead = None
-                if ahead is not None:
-                    ahead.discard()
+                self._drop_built()
+                if self._ahead is not None:
+                    self._ahead.discard()
+                    self._ahead = None
                 g += 1
                 continue
+            if self._built is not None and not go.get("built"):
+                # The job did not build ahead (whatever befell this process's agreement):
+                # the switch builds; the world made ahead is for the plan vote to take.
+                self._ahead, self._built = self._built.ahead, None
             world = WorldSwitch(self, prep, self.device, rdzv, src=src, generation=g)
             with cycle_collector_paused(promote_after=False):
                 result = world.run(None, None, go["carry"], [time.perf_counter()], failure)
@@ -950,7 +967,10 @@ class LiveSwitcher:
         processes, which make them while they train (``_start_groups_ahead``)."""
         rdzv = self.rendezvous
         assert rdzv is not None
-        self._ahead = None
+        self._drop_built()  # an earlier try's (its join timed out)
+        if self._ahead is not None:
+            self._ahead.discard()
+            self._ahead = None
         if not (self.groups_ahead and not dist.is_initialized()
                 and groups_ahead_supported(self.init_kwargs, rdzv.backend)):
             return

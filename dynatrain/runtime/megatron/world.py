@@ -92,8 +92,8 @@ class WorldSwitch:
                 ps.destroy_model_parallel()
             if ahead is not None and isinstance(ahead.world, Joinworld) and built is not None:
                 # Devices join, the destination built ahead: every process of the world agreed
-                # on the plan then (``build_ahead.all_in_world``), torch's group count too.
-                ahead.promote(counted=True)
+                # on the plan then (``build_ahead.all_in_world``); the go said the job built.
+                ahead.promote()
                 lap("switch_group")
             elif ahead is not None and isinstance(ahead.world, Joinworld):
                 # Devices join: the vote says whether every process made the world ahead.
@@ -126,7 +126,7 @@ class WorldSwitch:
             src_store = None
             lap("exchange")
             # The switch's group is the destination's when both hold the same processes in the
-            # same order (e.g. spares joining, nobody leaving): kept, not formed again.
+            # same order, or when it is a join's world made ahead: kept, not formed again.
             keep = joined or tuple(union) == tuple(dst_devices)
             if ahead is not None and isinstance(ahead.world, Subworld) \
                     and self.device in dst_devices:
@@ -208,7 +208,8 @@ class WorldSwitch:
         ``built`` ahead, if any), where the switch can take them: devices only leave
         (``Subworld``) and every process of the switch has all of its own (one all-reduce in
         the job's world, which is the switch's), or devices join (``Joinworld``: the plan
-        vote, which reaches the joiners too, agrees on it). None: the switch forms its
+        vote, which reaches the joiners too, agrees on it, or, where the destination was
+        built ahead, the build's own agreement in that world did). None: the switch forms its
         groups, and those made ahead are destroyed."""
         sw = self.sw
         ahead, sw._ahead = sw._ahead, None
@@ -219,7 +220,7 @@ class WorldSwitch:
         ok = ahead.ready(sw.timeout)  # its thread creates groups: done before any other is
         if isinstance(ahead.world, Joinworld) and self.prep is not None \
                 and set(union) == set(self.prep.dst.devices):
-            return ahead  # agreed in the plan vote, joiners included
+            return ahead  # agreed in the plan vote, or when built, joiners included
         if isinstance(ahead.world, Subworld) and self.prep is not None \
                 and union == self.src.devices and sw._all_built(ok):
             return ahead

@@ -64,6 +64,13 @@ def test_world_shrinks_and_grows_inside_megatron_lm(tmp_path):
         "--ckpt-step", "4")), world=4, timeout=600)
     spare = live[3]
     assert sorted(spare.at_train) == [0, 4]  # it sat out iterations 3 and 4
+    # Both world changes built Megatron-LM's destination job at the boundary before, in the
+    # new world made while the job trained: the shrink in the job's world, the grow with the
+    # spare, which built with the job while it waited to join.
+    for rank in range(3):
+        for it in (2, 4):
+            phases = live[rank].switched[it]
+            assert "build_ahead" in phases and "build" not in phases, (rank, it, sorted(phases))
     for rank in range(3):
         mine, ref = live[rank].at_train[2], to_dp3[rank].at_train[2]
         assert mine["layout"] == ref["layout"] == (1, 1, 3)

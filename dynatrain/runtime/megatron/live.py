@@ -948,9 +948,10 @@ class LiveSwitcher:
                 g += 1
                 continue
             if self._built is not None and not go.get("built"):
-                # The job did not build ahead (whatever befell this process's agreement):
-                # the switch builds; the world made ahead is for the plan vote to take.
-                self._ahead, self._built = self._built.ahead, None
+                # The job's build ahead failed (whatever befell this process's agreement): its
+                # processes dropped the world made ahead, so does this one; the switch forms
+                # its groups and builds.
+                self._drop_built()
             world = WorldSwitch(self, prep, self.device, rdzv, src=src, generation=g)
             with cycle_collector_paused(promote_after=False):
                 result = world.run(None, None, go["carry"], [time.perf_counter()], failure)

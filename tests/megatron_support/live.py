@@ -100,12 +100,27 @@ def resolve(cfg: dict) -> dict:
 # ---- processes --------------------------------------------------------------------------------
 
 
+class _SetupFailed(RuntimeError):
+    """The workers' own process group could not be formed (before ``fn`` ran)."""
+
+
 def run_workers(fn: Callable[[int], Any], world: int, timeout: float = 120.0,
                 started: Callable[[], Any] | None = None) -> list:
     """Run ``fn(rank)`` in ``world`` forked gloo workers; return their results by rank.
 
     ``started`` runs once every worker is forked: start a test's own threads there (a fork
-    while another thread holds a lock can leave the child waiting on it forever)."""
+    while another thread holds a lock can leave the child waiting on it forever). Where the
+    workers' own gloo group fails to connect before ``fn`` runs (seen on the 2-core machine
+    under the full suite's load: "connectFullMesh ... Connection closed by peer"), they are
+    started once more; nothing of ``fn`` ran, so nothing it checks is retried."""
+    try:
+        return _run_workers(fn, world, timeout, started)
+    except _SetupFailed:
+        return _run_workers(fn, world, timeout, started)
+
+
+def _run_workers(fn: Callable[[int], Any], world: int, timeout: float,
+                 started: Callable[[], Any] | None) -> list:
     if dist.is_initialized() or ps.model_parallel_is_initialized():
         raise RuntimeError("run_workers needs a parent without a process group")
     with tempfile.TemporaryDirectory(prefix="mcore_live_") as tmpdir:
@@ -138,8 +153,11 @@ def _worker(rank: int, fn: Callable[[int], Any], world: int, tmpdir: str) -> Non
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         store = dist.FileStore(os.path.join(tmpdir, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=120))
+        except RuntimeError as e:
+            raise _SetupFailed(str(e)) from e
         with cpu_shim(force=True):
             out = fn(rank)
         if dist.is_initialized():  # a worker whose process left its group returns alone
@@ -161,7 +179,8 @@ def _error(tmpdir: str, world: int, exc: Exception) -> RuntimeError:
         if os.path.exists(path):
             with open(path) as f:
                 e = json.load(f)
-            return RuntimeError(f"rank {r}: {e['message']}\n{e['traceback']}")
+            kind = _SetupFailed if e["message"].startswith("_SetupFailed") else RuntimeError
+            return kind(f"rank {r}: {e['message']}\n{e['traceback']}")
     return RuntimeError(f"worker failed: {exc}")
 
 

@@ -109,6 +109,7 @@ class Job:
     replacement: bool = False  # a process started in place of a killed one: retry only
     check_transfers: bool = False  # switch(check_transfers=...) on every attempt
     devices_given: bool = False  # switch(devices=job.devices): the group in another order
+    prepared: bool = False  # prepare_exchange ahead, then switch three times (_prepared_runs)
 
 
 def _init(job: Job, idx: int, attempt: int) -> None:
@@ -224,6 +225,12 @@ def _worker(idx: int, job: Job) -> None:
                 res["errors"].append(f"{device}: source changed by the aborted switch")
             if not dist.is_initialized():  # destroyed on abort: retry in a fresh group
                 _init(job, idx, 1)
+        if job.prepared:
+            res["errors"] += _prepared_runs(job, idx, device, tensors, src)
+            res["report"] = {}
+            dist.destroy_process_group()
+            (job.out / f"result{idx}.json").write_text(json.dumps(res), encoding="utf-8")
+            return
         t0 = time.perf_counter()
         given = None
         if job.given_dst and device in job.plan.dst_devices:
@@ -240,6 +247,50 @@ def _worker(idx: int, job: Job) -> None:
     except BaseException:  # noqa: BLE001 — reported to the parent, which fails the test
         res["errors"].append(f"{device} crashed:\n{traceback.format_exc()}")
     (job.out / f"result{idx}.json").write_text(json.dumps(res), encoding="utf-8")
+
+
+def _prepared_runs(job: Job, idx: int, device: str, tensors: dict, src) -> list[str]:
+    """Prepare the exchange once, then switch with it three times: as prepared; after the job
+    trained on (every source tensor written in place, the step handed out as a fresh tensor,
+    as ``extract_state`` does); after a large source tensor moved (not used: prepared at the
+    switch, and it says why). Each switch must equal the storage built from the global
+    tensors of that moment."""
+    from dynatrain.runtime import prepared as prepared_mod
+
+    prepared_mod.COPIED_BYTES = 8  # only the step is copied; every other tensor must stay put
+    order = job.devices if job.devices_given else None
+    given = None
+    if device in job.plan.dst_devices:
+        given = allocate(job.dst, job.plan.dst_devices.index(device))
+    ex = prepared_mod.prepare_exchange(job.plan, job.src, job.dst, device, src, given,
+                                       devices=order)
+    rank = job.plan.src_devices.index(device) if device in job.plan.src_devices else None
+    errors: list[str] = []
+    later = global_state(job.src, SEED + 1, bool(job.plan.derived))
+    for run in ("as prepared", "trained on", "moved"):
+        if run == "trained on":
+            tensors = later
+            if src is not None:
+                for k, t in fill_from_global(job.src, rank, later).items():
+                    if k[0] == "step":
+                        src = {**src, k: t}  # a fresh tensor, as extract_state hands it out
+                    else:
+                        src[k].copy_(t)
+        if run == "moved" and src is not None:
+            big = max(src, key=lambda k: (src[k].nbytes, repr(k)))
+            src = {**src, big: src[big].clone()}
+        before = checksums(src) if src is not None else None
+        dst, report = switch(job.plan, job.src, job.dst, device, src, timeout=job.timeout,
+                             dst_store=given, devices=order, prepared=ex)
+        want_prepared = run != "moved" or src is None
+        if report["prepared_ahead"] != want_prepared:
+            errors.append(f"{device} {run}: prepared_ahead {report['prepared_ahead']} "
+                          f"({report['prepared_why']})")
+        if run == "moved" and src is not None and "moved since" not in report["prepared_why"]:
+            errors.append(f"{device} {run}: why not prepared: {report['prepared_why']}")
+        errors += [f"{run}: {e}" for e in
+                   _check_commit(job, device, tensors, src, before, dst, report)]
+    return errors
 
 
 def run_switch(name: str, tmp_path: Path, timeout: float = 20.0, fault: str = "none",
@@ -317,6 +368,15 @@ def test_switch_in_a_group_of_another_order_is_bit_exact(name: str, tmp_path: Pa
     assert job.devices != process_devices(job.plan)
     assert [e for r in results for e in r["errors"]] == []
     assert sum(r["report"]["bytes_received"] for r in results) == job.plan.stats["bytes_moved"]
+
+
+@pytest.mark.parametrize("name,order", [("tp2->tp3", False), ("pp2-vpp2->tp2-pp2", True),
+                                        ("moe-ep4-etp1->tp2-etp2-ep2-pp2", False),
+                                        ("derive-distopt-tp2->dp2-pp2", False)])
+def test_switch_prepared_ahead_is_bit_exact_and_reads_the_source_as_it_is_then(
+        name: str, order: bool, tmp_path: Path, small_pieces: None) -> None:
+    job, results = run_switch(name, tmp_path, prepared=True, devices_given=order)
+    assert [e for r in results for e in r["errors"]] == []
 
 
 def test_devices_must_be_the_switch_processes() -> None:

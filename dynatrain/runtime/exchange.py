@@ -99,6 +99,12 @@ class RoundWork:
     recv_region: torch.Tensor | None = None  # Arena.carve/pack_ahead), and of the receives
     packed: object = None  # CUDA: event recorded when the sends packed ahead are packed
 
+    def reset(self) -> None:
+        """Forget what a run left (arena slices, sends packed ahead): ready to run again."""
+        for p in self.recvs + self.sends:
+            p.wire, p.ahead = None, False
+        self.packed_ahead, self.send_region, self.recv_region, self.packed = 0, None, None, None
+
     def local_views(self):
         """(source, destination) byte views of the local copies."""
         for t in self.local:

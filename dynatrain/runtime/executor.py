@@ -56,6 +56,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,9 @@ from .derive import derive_params
 from .exchange import Arena, RoundWork, posts_grouped, prepare_round, run_round, spread_local
 from .fingerprint import compare_transfers
 from .storage import ByteViews, Storage, allocate, checksums, storage_layout
+
+if TYPE_CHECKING:
+    from .prepared import PreparedExchange
 
 log = logging.getLogger("dynatrain.runtime")
 
@@ -207,7 +211,8 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
            check_transfers: bool = False,
            fill: Callable[[Storage | None, dist.ProcessGroup, tuple[str, ...], torch.device],
                           object] | None = None,
-           devices: Sequence[str] | None = None) -> tuple[Storage | None, dict]:
+           devices: Sequence[str] | None = None,
+           prepared: "PreparedExchange | None" = None) -> tuple[Storage | None, dict]:
     """Run ``plan`` on this process; every process of the switch calls it.
 
     Args:
@@ -239,6 +244,12 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         devices: the switch's processes in ``group``'s rank order (default
             ``process_devices(plan)``); the same devices in any order (a group made ahead in
             the destination's order, ``megatron.groups_ahead.Joinworld``).
+        prepared: this process's part made ahead (``prepare_exchange``) for this plan, device,
+            process order and storage: the switch then skips binding, the destination check
+            and preparing its rounds. One that does not fit the call (another plan, order or
+            storage; a large source tensor that moved since) is not used: the switch prepares
+            as without it, and says why in the report (``prepared_ahead``, ``prepared_why``).
+            Each process decides for itself; the wire is the same either way.
 
     Returns:
         (destination storage, or None if the device is not a destination device; the report
@@ -255,7 +266,7 @@ def switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     try:
         return _switch(plan, src_view, dst_view, device, src_store, pg, timeout,
                        destroy_group_on_abort, verify_source, on_round, dst_store,
-                       check_transfers, fill, devices)
+                       check_transfers, fill, devices, prepared)
     finally:  # the group is the caller's (often its default group): its own timeout again
         if previous is not None and not _destroyed(pg):
             pg.set_timeout(previous)
@@ -285,27 +296,31 @@ def _switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
             check_transfers: bool,
             fill: Callable[[Storage | None, dist.ProcessGroup, tuple[str, ...], torch.device],
                            object] | None,
-            order: Sequence[str] | None = None) -> tuple[Storage | None, dict]:
+            order: Sequence[str] | None = None, prepared: "PreparedExchange | None" = None
+            ) -> tuple[Storage | None, dict]:
     """``switch`` on the group ``pg``, whose timeout it sets to ``timeout``."""
     t_start = time.perf_counter()
     td = datetime.timedelta(seconds=timeout)
     where = _Where()
-    devices = process_devices(plan)
-    if order is not None:
-        if sorted(order) != sorted(devices):
-            raise ValueError(f"devices: {len(order)} given, not the switch's {len(devices)} "
-                             f"processes ({devices[0]}, ...) in some order")
-        devices = tuple(order)
-    on = tensor_device(src_store, dst_store, pg)
+    devices = _process_order(plan, order)
+    why = "none given" if prepared is None else prepared.unfit(plan, device, devices,
+                                                               src_store, dst_store)
+    if why:
+        prepared = None
+    on = tensor_device(src_store, dst_store, pg) if prepared is None else prepared.on
     # Sends are packed ahead only within what the verified plan says this device stages in
     # its busiest round, so the verifier's memory check (state plus that) holds at run time.
     arena = Arena(on, planned_peak_staging(plan, device))
     try:
-        me = _bind(plan, src_view, dst_view, device, src_store, pg, devices)
-        on_one_device(on, ("source", src_store), ("destination", dst_store))
+        if prepared is None:
+            me = _bind(plan, src_view, dst_view, device, src_store, devices)
+            on_one_device(on, ("source", src_store), ("destination", dst_store))
+            dst = _destination(dst_view, me, dst_store, on)
+        else:
+            me, dst = prepared.me, prepared.dst
+        _check_group(pg, me, devices)
         pg.set_timeout(td)  # gloo collectives block their worker thread up to this long
         before = checksums(src_store) if verify_source and src_store is not None else None
-        dst = _destination(dst_view, me, dst_store, on)
         grouped = posts_grouped(pg)
         barrier_seconds = 0.0
         if grouped:  # NCCL: a group's first collective must involve all of its ranks, and a
@@ -316,8 +331,10 @@ def _switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
             _wait(dist.barrier(group=pg, async_op=True, device_ids=ids), timeout)
             barrier_seconds = time.perf_counter() - t
         first_round = [time.perf_counter()]  # set again when round 0's exchange starts
-        reports = _run_rounds(plan, me, src_store, dst, pg, devices, timeout, where, on_round,
-                              arena, grouped, first_round)
+        works = (_works(plan, me, src_store, dst, devices) if prepared is None
+                 else prepared.fresh_works())
+        reports = _run_rounds(plan, me, works, pg, devices, timeout, where, on_round, arena,
+                              grouped, first_round)
         setup_seconds = first_round[0] - t_start
         where.round = None
         if fill is not None:
@@ -374,6 +391,7 @@ def _switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
                           derive_seconds, check_seconds, time.perf_counter() - t,
                           time.perf_counter() - t_start, setup_seconds, barrier_seconds)
     out = report.as_dict()
+    out["prepared_ahead"], out["prepared_why"] = prepared is not None, why or None
     if me.index == 0:
         log.info("switch committed: %d rounds in %.3f s (%s); process 0 sent %s and received "
                  "%s: %.2f GB/s through its own links (its sent + received bytes over its "
@@ -439,22 +457,27 @@ def _destination(view: StateView, me: "_Me", given: Storage | None,
     return given
 
 
-def _run_rounds(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
-                pg: dist.ProcessGroup, devices: tuple[str, ...], timeout: float,
-                where: "_Where", on_round: Callable[[int], None] | None,
-                arena: Arena, grouped: bool, first_round: list[float]) -> list[RoundReport]:
-    """Every round in order; round ``i + 1`` is prepared while round ``i``'s transfers run.
-
-    ``first_round[0]`` is set to when round 0's exchange starts (the end of the setup)."""
+def _works(plan: Plan, me: "_Me", src: Mapping | None, dst: Storage | None,
+           devices: tuple[str, ...]) -> Callable[[int], RoundWork]:
+    """Round ``i``'s work, prepared when asked (round ``i + 1`` while round ``i`` runs)."""
     src_views = ByteViews(src) if src is not None else None
     dst_views = ByteViews(dst) if dst is not None else None
-
     local = spread_local(plan.rounds, me.device, me.src_rank, me.dst_rank)
 
     def prepare(i: int) -> RoundWork:
         return prepare_round(i, plan.rounds[i], me.device, me.src_rank, me.dst_rank, src_views,
                              dst_views, devices, local[i])
+    return prepare
 
+
+def _run_rounds(plan: Plan, me: "_Me", prepare: Callable[[int], RoundWork],
+                pg: dist.ProcessGroup, devices: tuple[str, ...], timeout: float,
+                where: "_Where", on_round: Callable[[int], None] | None,
+                arena: Arena, grouped: bool, first_round: list[float]) -> list[RoundReport]:
+    """Every round in order; round ``i + 1``'s work (``prepare``) is had while round ``i``'s
+    transfers run.
+
+    ``first_round[0]`` is set to when round 0's exchange starts (the end of the setup)."""
     n = len(plan.rounds)
     reports: list[RoundReport] = []
     where.round, where.phase = (0, "prepare") if n else (None, "setup")
@@ -504,9 +527,27 @@ class _Me:
     dst_rank: int | None
 
 
+def _process_order(plan: Plan, order: Sequence[str] | None) -> tuple[str, ...]:
+    """The switch's processes in its group's rank order (``switch``'s ``devices``)."""
+    devices = process_devices(plan)
+    if order is None:
+        return devices
+    if sorted(order) != sorted(devices):
+        raise ValueError(f"devices: {len(order)} given, not the switch's {len(devices)} "
+                         f"processes ({devices[0]}, ...) in some order")
+    return tuple(order)
+
+
+def _check_group(pg: dist.ProcessGroup, me: "_Me", devices: tuple[str, ...]) -> None:
+    if pg.size() != len(devices) or pg.rank() != me.index:
+        raise ValueError(f"process of {me.device} must be rank {me.index} of a group of "
+                         f"{len(devices)} (the switch's processes); got rank {pg.rank()} "
+                         f"of {pg.size()}")
+
+
 def _bind(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
-          src_store: Mapping | None, pg: dist.ProcessGroup, devices: tuple[str, ...]) -> _Me:
-    """Check that this process, its group and its storage match the plan."""
+          src_store: Mapping | None, devices: tuple[str, ...]) -> _Me:
+    """Check that this process and its storage match the plan."""
     if device not in devices:
         raise ValueError(f"device {device} is in neither layout of the plan ({devices[0]}, ...)")
     if len(plan.src_devices) != src_view.layout.world:
@@ -516,10 +557,6 @@ def _bind(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
         raise ValueError(f"the plan has {len(plan.dst_devices)} destination ranks, dst_view "
                          f"{dst_view.layout.world}")
     index = devices.index(device)
-    if pg.size() != len(devices) or pg.rank() != index:
-        raise ValueError(f"process of {device} must be rank {index} of a group of "
-                         f"{len(devices)} (the switch's processes); got rank {pg.rank()} "
-                         f"of {pg.size()}")
     src_rank = plan.src_devices.index(device) if device in plan.src_devices else None
     dst_rank = plan.dst_devices.index(device) if device in plan.dst_devices else None
     if (src_store is None) != (src_rank is None):

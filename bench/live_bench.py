@@ -111,7 +111,7 @@ def worker(device: str, model: str, store_path: str, tmpdir: str, args) -> None:
                 sw.prepare(dst).result()
                 # A same-devices switch's destination job is built now, at the boundary before
                 # the switch (its time is counted in the live wall time, not the downtime).
-                sw.build_ahead()
+                sw.build_ahead(job)
                 path = os.path.join(tmpdir, f"{model}-{k + 1}")
                 dist.barrier()
                 t0 = time.perf_counter()

@@ -266,7 +266,7 @@ def run(device: str, rdzv: Rendezvous, schedule: list, iterations: int, args) ->
             # joiners building with the job), so the switch only checks, exchanges and votes.
             # Where it cannot be, it is built at the switch (the reason is kept).
             futures.wait([pending])
-            sw.build_ahead()
+            sw.build_ahead(job)
         loss = trainer.step(job)
         printer = (loss is not None and ps.get_tensor_model_parallel_rank() == 0
                    and ps.get_data_parallel_rank() == 0)

@@ -107,7 +107,7 @@ def test_destination_built_ahead_switches_bit_exact() -> None:
             out["failed_why"] = sw.build_ahead()
             out["after_failure"] = untouched(job, before, tp_group, rng)
 
-            out["why"] = sw.build_ahead()
+            out["why"] = sw.build_ahead(job)  # the exchange made ahead too, into the build
             out["after_build"] = untouched(job, before, tp_group, rng)
             out["again"] = sw.build_ahead()  # built already: nothing more
 
@@ -127,6 +127,8 @@ def test_destination_built_ahead_switches_bit_exact() -> None:
             out["phases"] = sorted(result.phases())
             out["build_ahead_s"] = result.seconds.get("build_ahead")
             out["built_ahead"] = result.report.get("built_ahead")
+            out["prepared"] = (result.report.get("prepared_ahead"),
+                               result.report.get("prepared_why"))
             out["pp_after"] = ps.get_pipeline_model_parallel_world_size()
 
             ref = build(spec_b)
@@ -152,6 +154,9 @@ def test_destination_built_ahead_switches_bit_exact() -> None:
         assert r["why"] is None and r["again"] is None
         assert r["losses_beside"][0] == r["losses_beside"][1]
         assert r["built_ahead"] is True and r["build_ahead_s"] > 0
+        # Made before the job trained on beside the build: the switch read the state as it
+        # was at the switch (equal to the reload below), through the views made ahead.
+        assert tuple(r["prepared"]) == (True, None), r["prepared"]
         assert "build" not in r["phases"] and "parallel_state" not in r["phases"], r["phases"]
         assert "exchange" in r["phases"] and "install" in r["phases"]
         assert r["pp_after"] == 2

@@ -150,7 +150,7 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
             ahead: dict = {}
             if step in sc.build_ahead_at:  # the job must be exactly as before it afterwards
                 pre = tr.state(job)
-                ahead["why"] = sw.build_ahead()
+                ahead["why"] = sw.build_ahead(job)  # and the exchange made ahead
                 ahead["diffs"] = live.native_diffs(pre, tr.state(job))
             path = os.path.join(ckpt, str(step))
             tr.save(job, path)
@@ -206,6 +206,7 @@ def _checked(tr, res: SwitchResult, spec, ckpt: str, step: int) -> dict:
           "bytes_received": res.report["bytes_received"],
           "world_ahead": res.report["world_ahead"], "groups_ahead": res.report["groups_ahead"],
           "built_ahead": res.report["built_ahead"], "built_at_switch": "build" in res.seconds,
+          "prepared": (res.report["prepared_ahead"], res.report["prepared_why"]),
           "pre": live.native_diffs(tr.state(ref), tr.state(res.job)),
           "n_state": len(tr.state(ref)),
           "eval_after": tr.step(res.job, forward_only=True)}
@@ -229,6 +230,7 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
         assert e["world_ahead"] and e["groups_ahead"] > 10, (d, e["groups_ahead"])
         assert e["ahead"] == {"why": None, "diffs": []}, (d, e["ahead"])
         assert e["report"]["built_ahead"] and "build" not in e["seconds"], (d, e["seconds"])
+        assert tuple(e["prepared"]) == (True, None), (d, e["prepared"])  # its exchange too
         assert e["losses"][0]["losses"] == e["losses"][1]["losses"]
         # Only DP changed: the same 8 samples give the same loss up to summation order.
         before, after = e["eval_before"]["global_loss"], e["eval_after"]["global_loss"]
@@ -239,6 +241,7 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
     for d in LEAVE:  # the leaving processes built nothing, and agreed
         assert ev[d][0]["ahead"] == {"why": None, "diffs": []}, ev[d][0]["ahead"]
         assert ev[d][0]["report"]["built_ahead"], ev[d][0]["report"]
+        assert ev[d][0]["report"]["prepared_ahead"], ev[d][0]["report"]["prepared_why"]
 
     # 2. gpu4-5 never come: the sources roll back.
     # 3. the build fails on the fresh gpu3: everyone rolls back after the exchange.
@@ -273,6 +276,8 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
     for d, e in final.items():
         assert e["world_ahead"] and e["groups_ahead"] > 10, (d, e["groups_ahead"])
         assert e["built_ahead"] and not e["built_at_switch"], (d, e["seconds"])
+        # Each process's part of the exchange was made ahead too (a joiner's: its receives).
+        assert tuple(e["prepared"]) == (True, None), (d, e["prepared"])
     for d in STAY:
         assert final[d]["ahead"] == {"why": None, "diffs": []}, (d, final[d]["ahead"])
     # Every process of the last layout trained one more iteration together.

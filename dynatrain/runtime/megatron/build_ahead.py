@@ -7,7 +7,11 @@ state, bound as the plan's destination storage) depends on the destination layou
 the state the switch moves. ``LiveSwitcher.build_ahead`` therefore builds it at a boundary
 after ``prepare``, once the destination's process groups exist (``groups_ahead``), and the
 switch that follows runs only what must be synchronous: the job check, the exchange and the
-commit vote.
+commit vote. Given the training job, the build ahead also makes this process's part of the
+exchange into the built destination (``runtime.prepared``: every round's views, wire pieces
+and copy tables; a joiner's from its destination alone), so that the exchange at the switch
+moves bytes and nothing else; the switch's report says whether it used it
+(``prepared_ahead``) and why not.
 
 Megatron keeps its parallel state in module globals, and a job's ``build`` changes more
 outside the job (RNG streams, Megatron-LM's ``args`` and micro-batch calculator: the
@@ -51,9 +55,10 @@ from ...ir.state import StateView, storage_tensors, transition_views
 from ...ir.units import format_bytes
 from ..executor import SwitchAborted, switch
 from ..headroom import free_bytes
+from ..prepared import PreparedExchange, prepare_exchange
 from ..storage import torch_dtype
 from . import te_fp8
-from .bridge import bind_state, install_step
+from .bridge import bind_state, extract_state, install_step
 from .groups_ahead import GroupsAhead, Joinworld, _new_group_is, _restore, _snapshot
 from .groups_ahead import resync as resync_groups
 from .job import (MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, first_line,
@@ -78,6 +83,10 @@ class Built:
     # Where the world changes: the destination's world and groups, made ahead (the switch
     # promotes the world); ``job`` and ``storage`` are None on a process that leaves.
     ahead: GroupsAhead | None = None
+    # This process's part of the exchange, made into ``storage`` (``prepare_exchanges``);
+    # else why not.
+    exchange: PreparedExchange | None = None
+    exchange_why: str | None = "no job given to build_ahead"
 
 
 def _tracker_module() -> Any:
@@ -186,7 +195,7 @@ def build(build_fn: Any, spec: Any, initialize: Any) -> tuple[MegatronJob, Any]:
 # ---- LiveSwitcher's build ahead and its switch ---------------------------------------------
 
 
-def build_ahead(sw: LiveSwitcher) -> str | None:
+def build_ahead(sw: LiveSwitcher, job: MegatronJob | None = None) -> str | None:
     """``LiveSwitcher.build_ahead`` (its docstring), for ``sw``."""
     t0 = time.perf_counter()
     why = cannot_build_ahead(sw)
@@ -227,9 +236,30 @@ def build_ahead(sw: LiveSwitcher) -> str | None:
         sw.ahead_why = f"building ahead failed on {where_failed(failure)}"
         return sw.ahead_why
     assert built is not None
+    if job is not None:
+        prepare_exchanges(sw, built, job)
     built.seconds = time.perf_counter() - t0
     sw._built, sw._ahead, sw.ahead_why = built, None, None
     return None
+
+
+def prepare_exchanges(sw: LiveSwitcher, built: Built, job: MegatronJob | None) -> None:
+    """This process's part of the switch's exchange, made into the built destination (views of
+    ``job``'s state, which the switch checks are still where they were). Each process for
+    itself, with no agreement: the wire is the same either way, and where it fails the switch
+    prepares its part at its own time (``built.exchange_why`` says why)."""
+    prep = built.prep
+    joined = built.ahead is not None and isinstance(built.ahead.world, Joinworld)
+    try:
+        src_view, dst_view = transition_views(prep.src, prep.dst)
+        src = (extract_state(src_view, sw.rank, job.model_chunks, job.optimizer)
+               if job is not None else None)
+        built.exchange = prepare_exchange(prep.plan, src_view, dst_view, sw.device, src,
+                                          built.storage,
+                                          devices=prep.dst.devices if joined else None)
+        built.exchange_why = None
+    except Exception as err:  # noqa: BLE001 — the switch prepares it instead
+        built.exchange, built.exchange_why = None, first_line(err)
 
 
 def build_joined(sw: LiveSwitcher, prep: Prepared) -> None:
@@ -251,6 +281,7 @@ def build_joined(sw: LiveSwitcher, prep: Prepared) -> None:
     ok, failure = agreed_in_world(sw, ahead, built is not None, prep.digest, failure)
     if ok:
         assert built is not None
+        prepare_exchanges(sw, built, None)  # a joiner holds no source: its receives only
         built.seconds = time.perf_counter() - t0
         sw._built, sw._ahead = built, None
         return
@@ -366,7 +397,7 @@ def switch_built(sw: LiveSwitcher, job: MegatronJob, prep: Prepared, src: dict,
     try:
         dst, report = switch(prep.plan, src_view, dst_view, sw.device, src, sw.group,
                              timeout=sw.timeout, check_transfers=sw.check_transfers,
-                             dst_store=built.storage)
+                             dst_store=built.storage, prepared=built.exchange)
     except SwitchAborted as err:
         built = None  # free the destination job before going back
         # The source's parallel state was never replaced: nothing to put back first.

@@ -273,18 +273,20 @@ class LiveControl:
         that a failure in the next iteration finds one."""
         if self.sw.buddy:
             self.sw.snapshot(job)
-        if not self.due(job.iteration):
+        if not self.due(job.iteration, job):
             return job
         new = self.switch(job)
         if new is not None and self.sw.buddy:
             self.sw.snapshot(new)
         return new
 
-    def due(self, iteration: int) -> bool:
+    def due(self, iteration: int, job: MegatronJob | None = None) -> bool:
         """Whether the job switches at the boundary before ``iteration`` (every process of
         the job calls it there, in step: it prepares switches and takes up requests). A
         training loop that cannot stop at every boundary (Megatron-LM's ``train``) calls it
-        after each step and ends its segment when it says so, then calls ``switch``."""
+        after each step and ends its segment when it says so, then calls ``switch``.
+        ``job``: the job training now, given so that a build ahead also makes the exchange
+        ahead (``LiveSwitcher.build_ahead``)."""
         now = time.monotonic()
         # Per iteration between boundaries seen (Megatron-LM's driver asks twice at a boundary
         # where a segment ends).
@@ -308,12 +310,12 @@ class LiveControl:
             if p.due <= iteration:
                 return True
             if self.build_ahead and not self._tried and self._everyone(self.sw.ready()):
-                self._build(p)
+                self._build(p, job)
             return False
         if not self._everyone(self.sw.ready()):
             return False
         # Built at this boundary: the switch runs at the next one.
-        return not (self.build_ahead and not self._tried and self._build(p))
+        return not (self.build_ahead and not self._tried and self._build(p, job))
 
     def recovered(self, result: SwitchResult | None = None) -> None:
         """After ``LiveSwitcher.recover`` (``result``): the switch that was pending is dropped
@@ -342,7 +344,7 @@ class LiveControl:
     def _set_pending(self, p: _Pending | None) -> None:
         self.pending, self._tried = p, False
 
-    def _build(self, p: _Pending) -> bool:
+    def _build(self, p: _Pending, job: MegatronJob | None) -> bool:
         """Every process: build the pending switch's destination ahead, at this boundary;
         whether it was built (not for a notice whose time left is two iterations or less)."""
         self._tried = True
@@ -350,7 +352,7 @@ class LiveControl:
             it = self.iteration_seconds
             if not self._everyone(it is not None and p.notice.seconds_left() > 2 * it):
                 return False
-        return self.sw.build_ahead() is None
+        return self.sw.build_ahead(job) is None
 
     def _take(self, n: int, ms_left: int) -> None:
         """Every process: prepare request ``n`` (a notice: the layout rank 0 chose for it)."""

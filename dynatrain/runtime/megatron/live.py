@@ -433,7 +433,7 @@ class LiveSwitcher:
 
     # ---- the destination built ahead (build_ahead.py) ------------------------------------------
 
-    def build_ahead(self) -> str | None:
+    def build_ahead(self, job: MegatronJob | None = None) -> str | None:
         """Build the prepared switch's destination job now, so that ``switch`` runs only the
         job check, the exchange and the commit vote (``build_ahead.py``): a same-devices
         switch's, or, where the world changes, in the destination's world made ahead
@@ -451,8 +451,13 @@ class LiveSwitcher:
         every process returns None or every process a reason. The build's
         time is ``seconds["build_ahead"]`` of the switch's result (not downtime: the job
         trains between it and the switch).
+
+        Given ``job`` (the job training now), it also makes this process's part of the
+        exchange into the destination (``runtime.prepared``), so that the switch skips
+        preparing its rounds; without it, or where the job's state has moved by the switch,
+        the switch prepares them itself (its report: ``prepared_ahead``, ``prepared_why``).
         """
-        return ahead_build.build_ahead(self)
+        return ahead_build.build_ahead(self, job)
 
     def _prepare(self, src_spec: LayoutSpec, src: Layout, dst_spec: LayoutSpec,
                  generation: int | None) -> Prepared:

@@ -530,7 +530,7 @@ class _Driver:
             self._stepped(args)
             if self.sw_now.buddy:
                 self._copy(args)
-            if self.control.due(args.curr_iteration + 1):  # the boundary after this step
+            if self.control.due(args.curr_iteration + 1, self.job_now):  # the boundary after
                 args.train_iters = args.curr_iteration + 1
                 self.segment_end = True
             return out
@@ -601,7 +601,7 @@ class _Driver:
             self.stepped = (args.iteration, args.consumed_train_samples,
                             getattr(args, "num_floating_point_operations_so_far", 0))
             try:
-                due = self.control.due(args.iteration)
+                due = self.control.due(args.iteration, job)
             except Exception as err:  # noqa: BLE001 — a member died while the others waited
                 job = self._recover(job, sw, err, timers)  # at the boundary; else re-raised
                 if job is not None:

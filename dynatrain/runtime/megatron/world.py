@@ -122,7 +122,8 @@ class WorldSwitch:
                                        None, timeout=self.sw.timeout,
                                        check_transfers=self.sw.check_transfers,
                                        dst_store=built.storage if built is not None else None,
-                                       devices=dst_devices if joined else None)
+                                       devices=dst_devices if joined else None,
+                                       prepared=built.exchange if built is not None else None)
             src_store = None
             lap("exchange")
             # The switch's group is the destination's when both hold the same processes in the

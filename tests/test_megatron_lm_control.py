@@ -71,6 +71,10 @@ def test_world_shrinks_and_grows_inside_megatron_lm(tmp_path):
         for it in (2, 4):
             phases = live[rank].switched[it]
             assert "build_ahead" in phases and "build" not in phases, (rank, it, sorted(phases))
+            # ... and each process's part of the exchange, from the views of Megatron-LM's
+            # model and optimizer it took then (the job trained on between the two)
+            assert tuple(live[rank].prepared[it]) == (True, None), (rank, it,
+                                                                     live[rank].prepared[it])
     for rank in range(3):
         mine, ref = live[rank].at_train[2], to_dp3[rank].at_train[2]
         assert mine["layout"] == ref["layout"] == (1, 1, 3)

@@ -150,6 +150,8 @@ class Record:
     at_train: dict[int, dict[str, Any]] = field(default_factory=dict)
     # Each live switch that committed: the iteration it ran at -> its ``SwitchResult.seconds``.
     switched: dict[int, dict[str, float]] = field(default_factory=dict)
+    # ... and whether it ran the exchange made ahead (``report["prepared_ahead"]``), else why.
+    prepared: dict[int, tuple[bool, str | None]] = field(default_factory=dict)
 
 
 def state_of(model: list, optimizer: Any) -> dict[str, torch.Tensor]:
@@ -218,6 +220,8 @@ def _instrument(rec: Record) -> dict:
         out = real_switch(self, job)
         if isinstance(self.last, SwitchResult):
             rec.switched[it] = dict(self.last.seconds)
+            rec.prepared[it] = (bool(self.last.report.get("prepared_ahead")),
+                                self.last.report.get("prepared_why"))
         return out
 
     LiveControl.switch = switch_

@@ -10,11 +10,17 @@ that every method sees the same machine load:
   processes from preallocated, pre-touched buffers, once with blocking ``send``/``recv`` in the
   plan's per-device order and once with ``batch_isend_irecv`` per round (gloo has no
   coalescing: that is isend/irecv per message); no packing, no unpacking, no local copies;
-- switch: ``dynatrain.runtime.executor.switch`` end to end (local copies, packing, exchange,
-  unpacking, commit vote) into preallocated destination storage (``dst_store``, as DCP loads
-  into an allocated state dict), and once more allocating its destination itself; both are
-  checked bit for bit against the storage built directly from the global tensors; and once
-  more with ``check_transfers`` (fingerprints of every transfer compared before the vote);
+  and once more per round with the round's local bytes (the plan's messages from a device to
+  itself) copied as one contiguous copy each while the batch runs: the least work the plan
+  asks of a device, raw p2p plus its local copies (``raw+local``);
+- switch: ``dynatrain.runtime.executor.switch`` end to end (binding, preparing every round,
+  local copies, packing, exchange, unpacking, commit vote) into preallocated destination
+  storage (``dst_store``, as DCP loads into an allocated state dict), and once more allocating
+  its destination itself; once more into preallocated storage with the process's part made
+  ahead (``prepare_exchange``, untimed: what a live switch does, whose build ahead makes it
+  while the job trains), so the call runs only the rounds and the vote; all are checked bit
+  for bit against the storage built directly from the global tensors; and once more with
+  ``check_transfers`` (fingerprints of every transfer compared before the vote);
 - dcp: the same state resharded through ``torch.distributed.checkpoint``: every source rank
   saves its boxes to a directory on tmpfs (``/dev/shm``), then every destination rank loads
   its boxes from it into preallocated storage; the loaded storage is checked bit for bit.
@@ -75,6 +81,7 @@ from dynatrain.planner.cost import PRESETS, predicted_downtime
 from dynatrain.planner.pipeline import plan_transition
 from dynatrain.planner.plan import Plan
 from dynatrain.runtime.executor import process_devices, switch
+from dynatrain.runtime.prepared import prepare_exchange
 from dynatrain.runtime.storage import (Storage, allocate, fill_from_global, random_global,
                                        region, storage_bytes, torch_dtype)
 
@@ -133,8 +140,10 @@ class Job:
 
 # ---- raw point to point ---------------------------------------------------------------------
 
-def _raw_ops(job: Job, device: str) -> list[list[tuple[str, int, torch.Tensor, int]]]:
-    """Per round, this device's remote messages in its plan order: (op, peer, buffer, tag).
+def _raw_ops(job: Job, device: str, local: bool = False
+             ) -> list[list[tuple[str, int, torch.Tensor, int]]]:
+    """Per round, this device's remote messages in its plan order: (op, peer, buffer, tag);
+    with ``local``, its local messages too, as ("copy", -1, (source, destination), -1).
 
     Buffers are allocated and written once here, so the timed exchanges pay no page faults.
     """
@@ -144,6 +153,9 @@ def _raw_ops(job: Job, device: str) -> list[list[tuple[str, int, torch.Tensor, i
         for mi in rnd.device_order().get(device, ()):
             m = rnd.messages[mi]
             if m.local:
+                if local:
+                    ops.append(("copy", -1, (torch.ones(m.nbytes, dtype=torch.uint8),
+                                             torch.zeros(m.nbytes, dtype=torch.uint8)), -1))
                 continue
             buf = torch.ones(m.nbytes, dtype=torch.uint8)
             if m.src_device == device:
@@ -166,8 +178,12 @@ def _raw_sendrecv(rounds: list) -> None:
 def _raw_batch(rounds: list) -> None:
     for ops in rounds:
         p2p = [dist.P2POp(dist.isend if op == "send" else dist.irecv, buf, peer=peer, tag=tag)
-               for op, peer, buf, tag in ops]
-        for w in dist.batch_isend_irecv(p2p) if p2p else []:
+               for op, peer, buf, tag in ops if op != "copy"]
+        works = dist.batch_isend_irecv(p2p) if p2p else []
+        for op, _, bufs, _ in ops:
+            if op == "copy":  # while the round's messages move, as the switch copies
+                bufs[1].copy_(bufs[0])
+        for w in works:
             w.wait()
 
 
@@ -391,7 +407,8 @@ def _worker(idx: int, job: Job) -> None:
     device = job.devices[idx]
     res: dict[str, Any] = {"device": device, "errors": []}
     for k in ("raw_sendrecv", "raw_batch", "switch", "switch_alloc", "dcp_save", "dcp_load",
-              "raw_batch_cpu", "switch_cpu", "switch_checked"):
+              "raw_batch_cpu", "switch_cpu", "switch_checked", "switch_prepared",
+              "switch_prepared_cpu", "prepare", "raw_local"):
         res[k] = []
     try:
         dist.init_process_group("gloo", init_method=f"file://{job.out}/store", rank=idx,
@@ -404,10 +421,13 @@ def _worker(idx: int, job: Job) -> None:
         res["src_bytes"] = storage_bytes(src) if src is not None else 0
         res["dst_bytes"] = storage_bytes(want) if want is not None else 0
         rounds = _raw_ops(job, device)
+        with_local = _raw_ops(job, device, local=True)
         _timed(lambda: _raw_batch(rounds))  # warm the connections between every pair
+        _timed(lambda: _raw_batch(with_local))
         for rep in range(job.repeats):
             res["raw_sendrecv"].append(_timed(lambda: _raw_sendrecv(rounds))[0])
             res["raw_batch"].append(_timed(lambda: _raw_batch(rounds), res["raw_batch_cpu"])[0])
+            res["raw_local"].append(_timed(lambda: _raw_batch(with_local))[0])
             seconds, (dst, report) = _timed(
                 lambda: switch(plan, job.src, job.dst, device, src, timeout=120.0))
             res["switch_alloc"].append(seconds)
@@ -423,6 +443,19 @@ def _worker(idx: int, job: Job) -> None:
                 res["errors"] += [f"switch into dst_store: {e}" for e in _mismatches(dst, want)]
                 res["report"] = {k: v for k, v in report.items() if k != "per_round"}
             del dst, given
+            given = _touched(job.dst, dst_rank)
+            ahead = prepare_exchange(plan, job.src, job.dst, device, src, given)
+            res["prepare"].append(ahead.seconds)
+            seconds, (dst, report) = _timed(
+                lambda: switch(plan, job.src, job.dst, device, src, timeout=120.0,
+                               dst_store=given, prepared=ahead), res["switch_prepared_cpu"])
+            res["switch_prepared"].append(seconds)
+            if not report["prepared_ahead"]:
+                res["errors"].append(f"the exchange made ahead was not used: "
+                                     f"{report['prepared_why']}")
+            if rep == 0:
+                res["errors"] += [f"prepared switch: {e}" for e in _mismatches(dst, want)]
+            del dst, given, ahead
             given = _touched(job.dst, dst_rank)
             seconds, (dst, report) = _timed(
                 lambda: switch(plan, job.src, job.dst, device, src, timeout=120.0,
@@ -505,12 +538,15 @@ def _reduce(name: str, plan: Plan, results: list[dict]) -> dict[str, Any]:
     sw = _per_repeat(results, "switch")
     sw_alloc = _per_repeat(results, "switch_alloc")
     sw_checked = _per_repeat(results, "switch_checked")
+    sw_prep = _per_repeat(results, "switch_prepared")
+    raw_local = _per_repeat(results, "raw_local")
     dcp_save, dcp_load = _per_repeat(results, "dcp_save"), _per_repeat(results, "dcp_load")
     dcp = [a + b for a, b in zip(dcp_save, dcp_load)]
     # CPU seconds per repeat, summed over the processes: on a host with fewer cores than
     # processes the wall time follows the CPU work, so this says where the time goes.
     raw_cpu = [sum(v) for v in zip(*(r["raw_batch_cpu"] for r in results))]
     sw_cpu = [sum(v) for v in zip(*(r["switch_cpu"] for r in results))]
+    prep_cpu = [sum(v) for v in zip(*(r["switch_prepared_cpu"] for r in results))]
     cores = os.cpu_count() or 1
     raw_best = min(min(raw_sr), min(raw_b))
     predicted = predicted_downtime(plan, PRESETS["gloo-local"])
@@ -534,6 +570,19 @@ def _reduce(name: str, plan: Plan, results: list[dict]) -> dict[str, Any]:
         "switch_vs_raw_p2p_ratio": raw_best / min(sw),
         "switch_vs_raw_p2p_median_ratio": raw_med / statistics.median(sw),
         "switch_alloc_vs_raw_p2p_ratio": raw_best / min(sw_alloc),
+        # Made ahead (prepare_exchange, as a live switch's build ahead does): the call runs
+        # the rounds and the vote only.
+        "switch_prepared_seconds": sw_prep,
+        "switch_prepared_GBps": moved / min(sw_prep) / 1e9,
+        "switch_prepared_vs_raw_p2p_ratio": raw_best / min(sw_prep),
+        "switch_prepared_vs_raw_p2p_median_ratio": raw_med / statistics.median(sw_prep),
+        "switch_prepared_cpu_seconds": prep_cpu,
+        # Against the least work the plan asks: raw p2p plus each round's local bytes copied.
+        "raw_local_seconds": raw_local,
+        "switch_prepared_vs_raw_local_ratio": min(raw_local) / min(sw_prep),
+        "switch_prepared_vs_raw_cpu_ratio": (statistics.median(prep_cpu)
+                                             / statistics.median(raw_cpu)),
+        "prepare_seconds": max(max(r["prepare"]) for r in results),
         "switch_checked_seconds": sw_checked,
         # check_transfers: fingerprints of every transfer at both ends before the vote
         "check_transfers_cost_ratio": min(sw_checked) / min(sw),
@@ -576,7 +625,7 @@ def environment() -> dict[str, Any]:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'case':<19} {'moved':>7} {'rnd':>3} {'raw s/r':>7} {'raw bat':>7} {'switch':>7} "
-            f"{'ratio':>5} {'alloc':>5} {'switch s':>8} {'DCP s':>6} {'x DCP':>6} "
+            f"{'ratio':>5} {'alloc':>5} {'ahead':>5} {'switch s':>8} {'DCP s':>6} {'x DCP':>6} "
             f"{'mcore s':>7} {'live s':>6} {'x mcore':>7} {'staging/budget':>15} "
             f"{'alloc s':>7} {'pred s':>6} {'fixed':>11}")
     lines = [head, "-" * len(head)]
@@ -588,7 +637,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['case']:<19} {r['bytes_moved'] / MIB:4.0f}MiB {r['rounds']:>3} "
             f"{r['raw_sendrecv_GBps']:5.2f}GB {r['raw_batch_GBps']:5.2f}GB "
             f"{r['switch_GBps']:5.2f}GB {r['switch_vs_raw_p2p_ratio']:4.2f}x "
-            f"{r['switch_alloc_vs_raw_p2p_ratio']:4.2f}x {min(r['switch_seconds']):8.3f} "
+            f"{r['switch_alloc_vs_raw_p2p_ratio']:4.2f}x "
+            f"{r['switch_prepared_vs_raw_p2p_ratio']:4.2f}x {min(r['switch_seconds']):8.3f} "
             f"{r['dcp_seconds']:6.2f} {r['speedup_vs_dcp']:5.1f}x {mc} "
             f"{r['peak_staging_bytes'] / MIB:5.1f}/{r['budget_bytes'] / MIB:.0f}MiB "
             f"{min(r['switch_alloc_seconds']):7.3f} "
@@ -625,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     result["switch_vs_raw_p2p_ratio"] = min(r["switch_vs_raw_p2p_ratio"] for r in rows)
     result["switch_alloc_vs_raw_p2p_ratio"] = min(r["switch_alloc_vs_raw_p2p_ratio"]
                                                   for r in rows)
+    result["switch_prepared_vs_raw_p2p_ratio"] = min(r["switch_prepared_vs_raw_p2p_ratio"]
+                                                     for r in rows)
     result["speedup_vs_dcp"] = min(r["speedup_vs_dcp"] for r in rows)
     result["peak_staging_bytes"] = max(r["peak_staging_bytes"] for r in rows)
     result["budget_bytes"] = args.budget
@@ -638,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     result["environment"]["loadavg_at_end"] = os.getloadavg()
     print(_table(rows))
     print(f"worst case: switch {result['switch_vs_raw_p2p_ratio']:.2f}x raw p2p "
-          f"({result['switch_alloc_vs_raw_p2p_ratio']:.2f}x allocating its destination), "
+          f"({result['switch_prepared_vs_raw_p2p_ratio']:.2f}x made ahead, "
+          f"{result['switch_alloc_vs_raw_p2p_ratio']:.2f}x allocating its destination), "
           f"{result['speedup_vs_dcp']:.1f}x faster than DCP (raw p2p: "
           f"{min(r['dcp_vs_raw_p2p_ratio'] for r in rows):.1f}x)"
           + (f", {result['speedup_vs_megatron']:.1f}x faster than megatron dist-ckpt"
@@ -648,7 +701,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.2f}")
     for r in rows:
         print(f"{r['case']}: the switch used {r['switch_vs_raw_cpu_ratio']:.2f}x the CPU time "
-              f"of raw p2p (medians); the cores were {r['raw_batch_cores_busy']:.0%} busy "
+              f"of raw p2p (medians; made ahead {r['switch_prepared_vs_raw_cpu_ratio']:.2f}x, "
+              f"making it took {r['prepare_seconds'] * 1e3:.0f} ms at most; made ahead, it ran at "
+              f"{r['switch_prepared_vs_raw_local_ratio']:.2f}x raw p2p plus the plan's local "
+              f"copies); the cores were {r['raw_batch_cores_busy']:.0%} busy "
               f"during raw p2p, {r['switch_cores_busy']:.0%} during the switch; with "
               f"check_transfers the switch took {r['check_transfers_cost_ratio']:.1f}x as long; "
               f"predicted / measured downtime {r['predicted_over_measured']:.2f} (best), "

@@ -49,6 +49,9 @@ def _claims(name: str, doc: dict) -> None:
             assert 0 < case["peak_staging_bytes"] <= case["budget_bytes"], case["case"]
             assert case["bytes_moved"] > 0
             assert math.isfinite(case["predicted_over_first"]) and case["predicted_over_first"] > 0
+            # made ahead and used (the bench exits non-zero where a switch did not use it)
+            assert case["switch_prepared_seconds"] and min(case["switch_prepared_seconds"]) > 0
+            assert case["prepare_seconds"] > 0 and min(case["raw_local_seconds"]) > 0
     elif name == "calibrate_fixed_costs":
         ratios = doc["predicted_over_measured"]
         assert ratios and all(math.isfinite(r) and r > 0 for r in ratios)

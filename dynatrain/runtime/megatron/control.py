@@ -92,6 +92,7 @@ class LiveControl:
         self.pending: _Pending | None = None
         self.build_ahead = build_ahead
         self._tried = False  # the pending switch's destination: built ahead, or found it cannot
+        self._waiting_since: float | None = None  # for the pending switch's world made ahead
         self._boundary: tuple[float, int] | None = None  # when the last boundary was, which
         self.iteration_seconds: float | None = None  # between the last two boundaries
         self.last: SwitchResult | SwitchFailed | None = None
@@ -309,13 +310,31 @@ class LiveControl:
         if p.due is not None:
             if p.due <= iteration:
                 return True
-            if self.build_ahead and not self._tried and self._everyone(self.sw.ready()):
+            # The last boundary before it builds whatever the joiners did (the build ahead
+            # waits for them); earlier ones only once the world made ahead is ready.
+            last = p.due == iteration + 1
+            if self.build_ahead and not self._tried and self._everyone(
+                    self.sw.ready() and (last or self._world_ready())):
                 self._build(p, job)
             return False
         if not self._everyone(self.sw.ready()):
             return False
+        if not self.build_ahead or self._tried:
+            return True
+        if not self._everyone(self._world_ready()):
+            return False  # trains on while the joiners make the destination's world
         # Built at this boundary: the switch runs at the next one.
-        return not (self.build_ahead and not self._tried and self._build(p, job))
+        return not self._build(p, job)
+
+    def _world_ready(self) -> bool:
+        """Whether this process's part of the destination's world made ahead is settled (made
+        or failed; none to make counts as settled): a join's needs its joiners, and the
+        boundary does not wait for them, the job trains on. After ``timeout`` seconds of
+        boundaries the build ahead runs anyway, waiting for them as it does."""
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
+        return (self.sw.ahead_settled()
+                or time.monotonic() - self._waiting_since > self.sw.timeout)
 
     def recovered(self, result: SwitchResult | None = None) -> None:
         """After ``LiveSwitcher.recover`` (``result``): the switch that was pending is dropped
@@ -342,7 +361,7 @@ class LiveControl:
             self._publish()
 
     def _set_pending(self, p: _Pending | None) -> None:
-        self.pending, self._tried = p, False
+        self.pending, self._tried, self._waiting_since = p, False, None
 
     def _build(self, p: _Pending, job: MegatronJob | None) -> bool:
         """Every process: build the pending switch's destination ahead, at this boundary;

@@ -320,6 +320,10 @@ class GroupsAhead:
         self.world_group, self.groups = None, []
         release_in_background(mine)
 
+    def settled(self) -> bool:
+        """Whether making the groups is over (all made, or failed), without waiting."""
+        return not self._thread.is_alive()
+
     def ready(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the groups; whether all were created."""
         self._thread.join(timeout)

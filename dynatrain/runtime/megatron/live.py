@@ -433,6 +433,12 @@ class LiveSwitcher:
 
     # ---- the destination built ahead (build_ahead.py) ------------------------------------------
 
+    def ahead_settled(self) -> bool:
+        """Whether the destination's world and groups made ahead, if any, are made (or
+        failed) now, without waiting: where devices join they need the joiners, and a
+        training loop may train on until they are (``LiveControl`` does)."""
+        return self._ahead is None or self._ahead.settled()
+
     def build_ahead(self, job: MegatronJob | None = None) -> str | None:
         """Build the prepared switch's destination job now, so that ``switch`` runs only the
         job check, the exchange and the commit vote (``build_ahead.py``): a same-devices

@@ -547,7 +547,7 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
     st = plan.stats
     lines = [f"{plan.src_name}  ->  {plan.dst_name}",
              f"  processes {len(devices)} local (gloo), one per device; seed {args.seed}"]
-    local = predicted_downtime(plan, PRESETS["gloo-local"])
+    local = predicted_downtime(plan, PRESETS["gloo-local"], allocates=True)  # run-plan's do
     moved = sum(r["report"]["bytes_sent"] for r in results)
     seconds = max(r["seconds"] for r in results)
     peak = max(r["report"]["peak_staging_bytes"] for r in results)
@@ -560,7 +560,8 @@ def cmd_run_plan(args: argparse.Namespace) -> int:
         f"{moved / seconds / 1e9:.2f} GB/s over all devices (bytes moved between devices over "
         f"the slowest process's time); predicted ~{format_seconds(local.total_seconds)} on "
         f"gloo-local (wire {format_seconds(local.wire_seconds)} + fixed "
-        f"{format_seconds(local.fixed_seconds)})",
+        f"{format_seconds(local.fixed_seconds)} + allocating the destination "
+        f"{format_seconds(local.first_touch_seconds)})",
         f"  staging   peak {format_bytes(peak)} per device (planned "
         f"{format_bytes(st['peak_staging_bytes'])}, budget {format_bytes(budget)})",
         f"  bit-exact: {'no' if errors else 'yes'} ({checked} destination tensors on "

@@ -51,6 +51,10 @@ class Topology(BaseModel):
         round_fixed_us: per round, beyond ``latency_us``: the runtime posting the round's
             operations and waiting for its slowest peer.
         memory_GB: device memory that live state plus staging must fit in (None: unchecked).
+        first_touch_GBps: how fast a switch that allocates its destination storage gets it
+            ready to write, per device (zeroed, its pages mapped): paid only where the switch
+            allocates it (``predicted_downtime(..., allocates=True)``); a live switch writes
+            into the destination it built ahead. None: at ``local_copy_GBps``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -69,23 +73,25 @@ class Topology(BaseModel):
     # A round posts its few hundred wire pieces as one NCCL group from Python (~5 us each).
     round_fixed_us: float = Field(1000.0, ge=0, le=1e7)
     memory_GB: float | None = Field(80.0, ge=1e-9, le=1e6)  # from one byte
+    # GPU: the caching allocator's memory is mapped already; zeroing runs at copy speed.
+    first_touch_GBps: float | None = Field(None, ge=MIN_GBPS, le=MAX_GBPS)
 
 
 H100 = Topology()
 # gloo CPU processes on this machine (``dynatrain run-plan``), calibrated by
 # bench/calibrate_fixed_costs.py: 38 switches of 4 processes (tiny GPT, 4x/8x wider and
-# runtime_bench's 40M model moving ~130 MiB per busiest link, 1 to 363 rounds), the fastest of 2
-# repeats each, on this 2-core host, fitted on relative errors. switch_fixed_s is measured
-# (median setup + vote); round_fixed_us and the link speed are fitted. Predicted over measured
-# downtime: median 0.90, 10-90% 0.66-1.22, range 0.65-1.46 (docs/benchmarks.md). A
-# round costs ~5 ms here because 4 processes take turns on 2 cores at every round's
-# synchronization. Loopback
-# TCP is one "node"; the fit cannot split network latency from the runtime's per-round cost,
-# so all of it is round_fixed_us. local_copy_GBps is assumed (one thread's memcpy; local
-# copies overlap the exchange).
-GLOO_LOCAL = Topology(name="gloo-local", intra_node_GBps=0.334, inter_node_GBps=0.334,
-                      local_copy_GBps=3.0, latency_us=0.0, switch_fixed_s=0.0307,
-                      round_fixed_us=4833.0, memory_GB=None)
+# runtime_bench's 40M model moving ~130 MiB per busiest link, 1 to 363 rounds), each into
+# preallocated storage and allocating it, the fastest of 2 repeats each, on this 2-core host,
+# fitted on relative errors: the per-switch part, the per-round part and the link speed on the
+# switches into preallocated storage, first_touch_GBps on the others. Predicted over measured
+# downtime: median 0.95, 10-90% 0.75-1.22, range 0.67-1.48, 72 of the 76 within 0.7-1.4x
+# (docs/benchmarks.md). A round costs ~3 ms here because 4 processes take turns on 2 cores at
+# every round's synchronization. Loopback TCP is one "node"; the fit cannot split network
+# latency from the runtime's per-round cost, so all of it is round_fixed_us. local_copy_GBps
+# is assumed (one thread's memcpy; local copies overlap the exchange).
+GLOO_LOCAL = Topology(name="gloo-local", intra_node_GBps=0.546, inter_node_GBps=0.546,
+                      local_copy_GBps=3.0, latency_us=0.0, switch_fixed_s=0.0200,
+                      round_fixed_us=2723.0, memory_GB=None, first_touch_GBps=2.412)
 PRESETS = {"h100": H100, "h800": Topology(name="h800-8xnvlink-8x400g", intra_node_GBps=200.0),
            "gloo-local": GLOO_LOCAL}
 
@@ -325,6 +331,9 @@ class Downtime:
         switch_fixed_seconds: ``switch_fixed_s``, once.
         round_fixed_seconds: ``rounds`` times ``round_fixed_us``.
         derived: the plan's derived kinds (their rebuild after the rounds is not modelled).
+        first_touch_seconds: where the switch allocates its destination storage, the busiest
+            device's destination bytes at ``first_touch_GBps``; 0 where it writes into storage
+            that exists (a live switch's destination built ahead).
     """
 
     topology: str
@@ -334,6 +343,7 @@ class Downtime:
     switch_fixed_seconds: float
     round_fixed_seconds: float
     derived: tuple[str, ...] = ()
+    first_touch_seconds: float = 0.0
 
     @property
     def fixed_seconds(self) -> float:
@@ -341,7 +351,7 @@ class Downtime:
 
     @property
     def total_seconds(self) -> float:
-        return self.wire_seconds + self.fixed_seconds
+        return self.wire_seconds + self.fixed_seconds + self.first_touch_seconds
 
     def excludes(self) -> tuple[str, ...]:
         """What the prediction leaves out: costs outside the executor's ``switch`` call."""
@@ -364,8 +374,10 @@ process groups'
                 f"bound {f(lb)}{ratio}) + fixed ~{f(self.fixed_seconds)} (setup, "
                 f"start barrier and commit vote {f(self.switch_fixed_seconds)}; "
                 f"{self.rounds} round sync{'' if self.rounds == 1 else 's'} "
-                f"{f(self.round_fixed_seconds)}) = "
-                f"~{f(self.total_seconds)} downtime predicted; excludes "
+                f"{f(self.round_fixed_seconds)})"
+                + (f" + allocating the destination ~{f(self.first_touch_seconds)}"
+                   if self.first_touch_seconds else "")
+                + f" = ~{f(self.total_seconds)} downtime predicted; excludes "
                 + ", ".join(self.excludes()))
 
     def as_dict(self) -> dict:
@@ -375,12 +387,16 @@ process groups'
                 "lower_bound_seconds": self.lower_bound_seconds,
                 "switch_fixed_seconds": self.switch_fixed_seconds,
                 "round_fixed_seconds": self.round_fixed_seconds,
-                "fixed_seconds": self.fixed_seconds, "total_seconds": self.total_seconds,
+                "fixed_seconds": self.fixed_seconds,
+                "first_touch_seconds": self.first_touch_seconds,
+                "total_seconds": self.total_seconds,
                 "excludes": list(self.excludes())}
 
 
-def predicted_downtime(plan: Plan, topo: Topology) -> Downtime:
-    """The downtime ``plan`` is predicted to cost on ``topo``: wire time plus fixed costs.
+def predicted_downtime(plan: Plan, topo: Topology, allocates: bool = False) -> Downtime:
+    """The downtime ``plan`` is predicted to cost on ``topo``: wire time plus fixed costs,
+    plus, where the switch ``allocates`` its destination storage (``dynatrain run-plan``;
+    not a live switch, whose destination exists), getting that storage ready.
 
     Example:
         >>> d = predicted_downtime(plan, PRESETS["gloo-local"])  # doctest: +SKIP
@@ -388,5 +404,19 @@ def predicted_downtime(plan: Plan, topo: Topology) -> Downtime:
         True
     """
     n = len(plan.rounds)
+    touch = 0.0
+    if allocates:
+        rate = topo.first_touch_GBps or topo.local_copy_GBps
+        touch = max(destination_bytes(plan).values(), default=0) / (rate * 1e9)
     return Downtime(topo.name, n, predicted_seconds(plan, topo), lower_bound_seconds(plan, topo),
-                    topo.switch_fixed_s, n * topo.round_fixed_us * 1e-6, plan.derived)
+                    topo.switch_fixed_s, n * topo.round_fixed_us * 1e-6, plan.derived, touch)
+
+
+def destination_bytes(plan: Plan) -> dict[str, int]:
+    """Per destination device, the bytes the plan writes into its storage (received and
+    copied locally): its destination state, less what no source holds (padding)."""
+    out: dict[str, int] = {}
+    for rnd in plan.rounds:
+        for m in rnd.messages:
+            out[m.dst_device] = out.get(m.dst_device, 0) + m.nbytes
+    return out

@@ -39,7 +39,7 @@ from ..ir.errors import DynatrainError
 from ..ir.state import StateView
 from ..planner.plan import Plan
 from .executor import SwitchAborted, process_devices, switch
-from .storage import fill_from_global, random_global, storage_bytes, torch_dtype
+from .storage import allocate, fill_from_global, random_global, storage_bytes, torch_dtype
 
 MAX_TIMEOUT = 1e6  # seconds; beyond it a "timeout" is no timeout (and overflows timedelta math)
 MIN_TIMEOUT = 1e-3  # gloo counts its timeouts in whole milliseconds
@@ -89,6 +89,7 @@ class _Job:
     timeout: float
     progress: bool
     check_transfers: bool
+    preallocated: bool = False
 
 
 def global_state(view: StateView, seed: int, derived: bool) -> dict:
@@ -128,9 +129,11 @@ def _worker(idx: int, job: _Job) -> None:
         src = None
         if device in plan.src_devices:
             src = fill_from_global(job.src, plan.src_devices.index(device), tensors)
+        kw = {"on_round": bar.on_round} if bar is not None and bar.on_round else {}
+        if job.preallocated and device in plan.dst_devices:  # as a destination built ahead
+            kw["dst_store"] = allocate(job.dst, plan.dst_devices.index(device))
         dist.barrier()
         t0 = time.perf_counter()
-        kw = {"on_round": bar.on_round} if bar is not None and bar.on_round else {}
         dst, report = switch(plan, job.src, job.dst, device, src, timeout=job.timeout,
                              check_transfers=job.check_transfers, **kw)
         if bar is not None:
@@ -208,12 +211,15 @@ class _Progress:
 
 def run_local(plan: Plan, src: StateView, dst: StateView, *, seed: int = 0,
               timeout: float = 60.0, progress: bool = False,
-              check_transfers: bool = False) -> list[dict]:
+              check_transfers: bool = False, preallocated: bool = False) -> list[dict]:
     """Run ``plan`` in one local process per device; each process's result, in device order.
 
     A result holds ``device``, ``errors`` (empty when its destination is bit-exact; one line
     each), ``checked`` (destination tensors compared), ``seconds`` (the switch, barrier to
-    barrier) and ``report`` (``SwitchReport.as_dict`` without its per-round list). Call
+    barrier) and ``report`` (``SwitchReport.as_dict`` without its per-round list).
+    ``preallocated``: each process allocates its destination storage (zeros, its pages
+    mapped) before the switch, which writes into it (a live switch's destination exists),
+    instead of the switch allocating it. Call
     ``check_run_options(timeout, seed)`` before to refuse bad options early.
 
     Returns:
@@ -232,7 +238,7 @@ def run_local(plan: Plan, src: StateView, dst: StateView, *, seed: int = 0,
     devices = process_devices(plan)
     with tempfile.TemporaryDirectory(prefix="dynatrain-run-") as tmpdir:
         job = _Job(plan, src, dst, devices, Path(tmpdir), seed, timeout, progress,
-                   check_transfers)
+                   check_transfers, preallocated)
         fork = multiprocessing.get_context("fork")
         procs = [fork.Process(target=_worker, args=(i, job), daemon=True)
                  for i in range(len(devices))]

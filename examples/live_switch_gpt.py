@@ -323,16 +323,20 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
     # their sum is about the downtime).
     phases: list = [None] * dist.get_world_size()
     dist.all_gather_object(phases, (result.phases(), result.seconds.get("groups_wait", 0.0),
-                                    result.seconds.get("build_ahead")))
-    rec["phases_s"] = {name: max(p.get(name, 0.0) for p, _, _ in phases)
+                                    result.seconds.get("build_ahead"),
+                                    bool(r.get("prepared_ahead"))))
+    rec["phases_s"] = {name: max(p.get(name, 0.0) for p, _, _, _ in phases)
                        for name in phases[0][0]}
+    # Each process's part of the exchange made at the build ahead (build_ahead(job)): the
+    # switch's exchange then only moved bytes.
+    rec["exchange_made_ahead"] = all(m for _, _, _, m in phases)
     # Megatron's groups of a same-devices switch or of one where devices only leave (then the
     # destination's world too), made while the job trained (LiveSwitcher's groups_ahead): how
     # many this process took ready-made.
     rec["groups_ahead"] = int(r.get("groups_ahead", 0))
     rec["world_ahead"] = bool(r.get("world_ahead", False))
-    rec["groups_wait_s"] = max(w for _, w, _ in phases)  # of parallel_state: waiting for them
-    built = [b for _, _, b in phases]
+    rec["groups_wait_s"] = max(w for _, w, _, _ in phases)  # of parallel_state: waiting for them
+    built = [b for _, _, b, _ in phases]
     # The destination job built at the boundary before the switch (LiveSwitcher.build_ahead):
     # the slowest process's time there, else why it was built at the switch.
     rec["built_ahead_s"] = max(built) if all(b is not None for b in built) else None
@@ -349,7 +353,8 @@ def report(sw: LiveSwitcher, result, why: str | None, plan=None) -> dict:
         ahead = (f"; {world}{rec['groups_ahead']} of megatron's groups made while training "
                  f"(waited {rec['groups_wait_s']:.3f} s for them)" if rec["groups_ahead"] else "")
         if rec["built_ahead_s"] is not None:
-            ahead += (f"; destination job built ahead, at the boundary before "
+            made = " and every process's exchange made" if rec["exchange_made_ahead"] else ""
+            ahead += (f"; destination job built{made} ahead, at the boundary before "
                       f"({rec['built_ahead_s']:.3f} s)")
         print("  phases: " + ", ".join(f"{name} {s:.3f}" for name, s in rec["phases_s"].items())
               + f" s (slowest process each){ahead}", flush=True)

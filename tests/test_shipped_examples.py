@@ -83,6 +83,9 @@ def test_live_example_does_every_switch(model, tmp_path):
         assert s["groups_ahead"] > 0, s
         assert s["built_ahead_s"] is not None and s["built_ahead_s"] > 0, s
         assert s["built_at_switch_because"] is None, s
+        # ... and every process's part of the exchange made then, from views of the job's
+        # state that it trained on after (build_ahead(job))
+        assert s["exchange_made_ahead"] is True, s
         assert 0 < s["job_downtime_s"] <= s["downtime_s"], s
     assert done.stdout.count("  phases: ") == n - 1
     assert done.stdout.count("  the job stood still ") == n - 1

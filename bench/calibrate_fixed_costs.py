@@ -118,7 +118,10 @@ def _plan(name: str, budget: int):
 
 def measure(name: str, budget: int, preallocated: bool) -> dict[str, Any]:
     plan, sv, dv = _plan(name, budget)
-    results = run_local(plan, sv, dv, timeout=60.0, preallocated=preallocated)
+    # Into preallocated storage as a live switch runs: in processes that switched before (one
+    # untimed switch first). Allocating as run-plan runs: in fresh processes.
+    results = run_local(plan, sv, dv, timeout=60.0, preallocated=preallocated,
+                        warmup=preallocated)
     errors = [e for r in results for e in r["errors"]]
     if errors:
         raise SystemExit(f"{name}: {errors[0]}")

@@ -19,6 +19,10 @@ round (what the verifier's memory check counts), usually much less. With
 params (``derive.py``: a local cast without the distributed optimizer, otherwise Megatron's
 param all-gather, point to point).
 
+Binding the process to the plan, checking the destination and preparing the rounds is Python
+work per transfer; ``prepared.prepare_exchange`` does it ahead of the switch (a live switch's
+build ahead does), and ``switch(..., prepared=...)`` then runs only the rounds and the vote.
+
 The destination storage is freshly allocated (or given as ``dst_store``, zero-filled) and the
 source storage is only ever read. After the last round every process votes (an all-gather of
 one flag; success is its MIN): only a unanimous vote returns the destination storage. Anything

@@ -90,6 +90,7 @@ class _Job:
     progress: bool
     check_transfers: bool
     preallocated: bool = False
+    warmup: bool = False
 
 
 def global_state(view: StateView, seed: int, derived: bool) -> dict:
@@ -129,6 +130,8 @@ def _worker(idx: int, job: _Job) -> None:
         src = None
         if device in plan.src_devices:
             src = fill_from_global(job.src, plan.src_devices.index(device), tensors)
+        if job.warmup:  # untimed, its destination dropped: as a process that switched before
+            switch(plan, job.src, job.dst, device, src, timeout=job.timeout)
         kw = {"on_round": bar.on_round} if bar is not None and bar.on_round else {}
         if job.preallocated and device in plan.dst_devices:  # as a destination built ahead
             kw["dst_store"] = allocate(job.dst, plan.dst_devices.index(device))
@@ -211,7 +214,8 @@ class _Progress:
 
 def run_local(plan: Plan, src: StateView, dst: StateView, *, seed: int = 0,
               timeout: float = 60.0, progress: bool = False,
-              check_transfers: bool = False, preallocated: bool = False) -> list[dict]:
+              check_transfers: bool = False, preallocated: bool = False,
+              warmup: bool = False) -> list[dict]:
     """Run ``plan`` in one local process per device; each process's result, in device order.
 
     A result holds ``device``, ``errors`` (empty when its destination is bit-exact; one line
@@ -219,7 +223,9 @@ def run_local(plan: Plan, src: StateView, dst: StateView, *, seed: int = 0,
     barrier) and ``report`` (``SwitchReport.as_dict`` without its per-round list).
     ``preallocated``: each process allocates its destination storage (zeros, its pages
     mapped) before the switch, which writes into it (a live switch's destination exists),
-    instead of the switch allocating it. Call
+    instead of the switch allocating it. ``warmup``: each process first runs the same switch
+    once, untimed (connections, allocator and code paths warm, as in a process that switched
+    before). Call
     ``check_run_options(timeout, seed)`` before to refuse bad options early.
 
     Returns:
@@ -238,14 +244,14 @@ def run_local(plan: Plan, src: StateView, dst: StateView, *, seed: int = 0,
     devices = process_devices(plan)
     with tempfile.TemporaryDirectory(prefix="dynatrain-run-") as tmpdir:
         job = _Job(plan, src, dst, devices, Path(tmpdir), seed, timeout, progress,
-                   check_transfers, preallocated)
+                   check_transfers, preallocated, warmup)
         fork = multiprocessing.get_context("fork")
         procs = [fork.Process(target=_worker, args=(i, job), daemon=True)
                  for i in range(len(devices))]
         for p in procs:
             p.start()
         # Every wait of the switch may take ``timeout``: rounds, derive, vote, plus setup.
-        limit = timeout * (len(plan.rounds) + 4) + 120
+        limit = timeout * (len(plan.rounds) + 4) * (2 if warmup else 1) + 120
         killed = _join(procs, job, limit, 2 * timeout + GRACE_SECONDS)
         results = [_result(i, d, procs[i], job, killed) for i, d in enumerate(devices)]
     if any("report" not in r for r in results):

@@ -171,14 +171,21 @@ def fit(runs: list[dict[str, Any]]) -> dict[str, float]:
            "intra_node_GBps": 1e-9 / per_byte}
     alloc = [r for r in best if not r.get("preallocated")]
     topo = replace_topology(out)
-    # downtime = predicted into existing storage + bytes * x: least squares on relative errors
-    num = den = 0.0
-    for r in alloc:
-        rest = r["downtime_s"] - predicted_downtime(r["plan"], topo).total_seconds
-        d, y2 = r["destination_bytes"], r["downtime_s"] ** 2
-        num, den = num + d * rest / y2, den + d * d / y2
-    x = num / den if den > 0 else 0.0
-    out["first_touch_GBps"] = min(1e6, 1e-9 / x) if x > 0 else 1e6
+    # downtime = predicted into existing storage + c + bytes * x: least squares on relative
+    # errors (c: what a fresh process's switch pays beyond a warm one's)
+    if alloc:
+        a = np.array([[1.0, r["destination_bytes"]] for r in alloc], dtype=float)
+        y = np.array([r["downtime_s"] - predicted_downtime(r["plan"], topo).total_seconds
+                      for r in alloc])
+        w = 1.0 / np.array([r["downtime_s"] for r in alloc])
+        (c, x), *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
+        if c < 0 or x <= 0:  # the one that makes sense alone
+            c = max(0.0, c) if x > 0 else max(0.0, float(np.dot(w * w, y) / np.dot(w, w)))
+            x = max(x, 1e-15)
+    else:
+        c, x = 0.0, 1e-15
+    out["allocate_fixed_s"] = float(c)
+    out["first_touch_GBps"] = min(1e6, 1e-9 / x)
     return out
 
 
@@ -216,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nfitted over {len(best_runs(runs))} switches (the fastest of {len(runs)} runs): "
           f"switch_fixed_s {consts['switch_fixed_s']:.4f}, "
           f"round_fixed_us {consts['round_fixed_us']:.0f}, intra_node_GBps "
-          f"{consts['intra_node_GBps']:.3f}, first_touch_GBps {consts['first_touch_GBps']:.3f}")
+          f"{consts['intra_node_GBps']:.3f}, allocate_fixed_s {consts['allocate_fixed_s']:.4f}, "
+          f"first_touch_GBps {consts['first_touch_GBps']:.3f}")
     errs, by_mode = [], {"preallocated": [], "allocating": []}
     for r in best_runs(runs):
         d = predicted_downtime(r["plan"], topo, allocates=not r.get("preallocated"))

@@ -53,8 +53,12 @@ class Topology(BaseModel):
         memory_GB: device memory that live state plus staging must fit in (None: unchecked).
         first_touch_GBps: how fast a switch that allocates its destination storage gets it
             ready to write, per device (zeroed, its pages mapped): paid only where the switch
-            allocates it (``predicted_downtime(..., allocates=True)``); a live switch writes
-            into the destination it built ahead. None: at ``local_copy_GBps``.
+            allocates it (``predicted_downtime(..., allocates=True)``, what ``run-plan`` runs
+            in freshly started processes); a live switch writes into the destination it built
+            ahead. None: at ``local_copy_GBps``.
+        allocate_fixed_s: once, where the switch allocates its destination: what such a
+            switch in fresh processes pays beyond the bytes (first use of the connections and
+            code paths).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -75,23 +79,26 @@ class Topology(BaseModel):
     memory_GB: float | None = Field(80.0, ge=1e-9, le=1e6)  # from one byte
     # GPU: the caching allocator's memory is mapped already; zeroing runs at copy speed.
     first_touch_GBps: float | None = Field(None, ge=MIN_GBPS, le=MAX_GBPS)
+    allocate_fixed_s: float = Field(0.0, ge=0, le=3600)
 
 
 H100 = Topology()
-# gloo CPU processes on this machine (``dynatrain run-plan``), calibrated by
-# bench/calibrate_fixed_costs.py: 38 switches of 4 processes (tiny GPT, 4x/8x wider and
-# runtime_bench's 40M model moving ~130 MiB per busiest link, 1 to 363 rounds), each into
-# preallocated storage and allocating it, the fastest of 2 repeats each, on this 2-core host,
-# fitted on relative errors: the per-switch part, the per-round part and the link speed on the
-# switches into preallocated storage, first_touch_GBps on the others. Predicted over measured
-# downtime: median 0.95, 10-90% 0.75-1.22, range 0.67-1.48, 72 of the 76 within 0.7-1.4x
-# (docs/benchmarks.md). A round costs ~3 ms here because 4 processes take turns on 2 cores at
-# every round's synchronization. Loopback TCP is one "node"; the fit cannot split network
+# gloo CPU processes on this machine, calibrated by bench/calibrate_fixed_costs.py: 38 switches
+# of 4 processes (tiny GPT, 4x/8x wider and runtime_bench's 40M model moving ~130 MiB per
+# busiest link, 1 to 363 rounds), each into preallocated storage in processes that switched
+# before (as a live switch) and allocating it in fresh processes (as ``dynatrain run-plan``),
+# the fastest of 2 repeats each, on this 2-core host, fitted on relative errors: the
+# per-switch part, the per-round part and the link speed on the first, allocate_fixed_s and
+# first_touch_GBps on what the others take beyond. Predicted over measured downtime: median
+# 0.93, 10-90% 0.75-1.25, range 0.66-1.50, 71 of the 76 within 0.7-1.4x
+# (docs/benchmarks.md). A round costs ~3 ms here because 4 processes take turns on 2 cores
+# at every round's synchronization. Loopback TCP is one "node"; the fit cannot split network
 # latency from the runtime's per-round cost, so all of it is round_fixed_us. local_copy_GBps
 # is assumed (one thread's memcpy; local copies overlap the exchange).
-GLOO_LOCAL = Topology(name="gloo-local", intra_node_GBps=0.546, inter_node_GBps=0.546,
-                      local_copy_GBps=3.0, latency_us=0.0, switch_fixed_s=0.0200,
-                      round_fixed_us=2723.0, memory_GB=None, first_touch_GBps=2.412)
+GLOO_LOCAL = Topology(name="gloo-local", intra_node_GBps=0.745, inter_node_GBps=0.745,
+                      local_copy_GBps=3.0, latency_us=0.0, switch_fixed_s=0.0139,
+                      round_fixed_us=2783.0, memory_GB=None, first_touch_GBps=1.064,
+                      allocate_fixed_s=0.0110)
 PRESETS = {"h100": H100, "h800": Topology(name="h800-8xnvlink-8x400g", intra_node_GBps=200.0),
            "gloo-local": GLOO_LOCAL}
 
@@ -331,9 +338,10 @@ class Downtime:
         switch_fixed_seconds: ``switch_fixed_s``, once.
         round_fixed_seconds: ``rounds`` times ``round_fixed_us``.
         derived: the plan's derived kinds (their rebuild after the rounds is not modelled).
-        first_touch_seconds: where the switch allocates its destination storage, the busiest
-            device's destination bytes at ``first_touch_GBps``; 0 where it writes into storage
-            that exists (a live switch's destination built ahead).
+        first_touch_seconds: where the switch allocates its destination storage,
+            ``allocate_fixed_s`` plus the busiest device's destination bytes at
+            ``first_touch_GBps``; 0 where it writes into storage that exists (a live switch's
+            destination built ahead).
     """
 
     topology: str
@@ -407,7 +415,8 @@ def predicted_downtime(plan: Plan, topo: Topology, allocates: bool = False) -> D
     touch = 0.0
     if allocates:
         rate = topo.first_touch_GBps or topo.local_copy_GBps
-        touch = max(destination_bytes(plan).values(), default=0) / (rate * 1e9)
+        touch = (topo.allocate_fixed_s
+                 + max(destination_bytes(plan).values(), default=0) / (rate * 1e9))
     return Downtime(topo.name, n, predicted_seconds(plan, topo), lower_bound_seconds(plan, topo),
                     topo.switch_fixed_s, n * topo.round_fixed_us * 1e-6, plan.derived, touch)
 

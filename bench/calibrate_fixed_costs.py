@@ -1,7 +1,7 @@
 """Calibrate the ``gloo-local`` topology: the fixed costs and wire speed of a switch here.
 
-    python bench/calibrate_fixed_costs.py              # 9 switches x 4 budgets x 2 repeats
-    python bench/calibrate_fixed_costs.py --quick      # 4 switches x 2 budgets x 1 repeat
+    python bench/calibrate_fixed_costs.py              # 11 switches x 2-4 budgets x 2 ways x 2
+    python bench/calibrate_fixed_costs.py --quick      # 5 switches x 1-2 budgets x 2 ways x 1
     python bench/calibrate_fixed_costs.py --refit FILE # fit again the runs of an earlier JSON
     python bench/calibrate_fixed_costs.py --out FILE   # JSON elsewhere (default bench/results/)
 
@@ -10,19 +10,20 @@ CPU process per device, bit-exact check) on the tiny GPT of ``specs/tiny-gpt/`` 
 (and the same GPT 4x and 8x wider) between layouts of 4 devices, at staging budgets that give
 1 to hundreds of rounds, so that the number of rounds and the bytes vary independently; and on
 ``runtime_bench.py``'s 40M-parameter model (its two switches, ~375 MiB moved), so that the
-wire speed is also fitted on the large messages that bench moves. Each
-(switch, budget) counts once in the fit, by its fastest repeat. From every run's per-process switch
-reports it takes the slowest process's ``total_seconds`` (the downtime of the switch call)
-and splits it:
+wire speed is also fitted on the large messages that bench moves. Each switch runs two ways:
+as a live switch runs, into destination storage allocated before the switch, in processes that
+ran the same switch once before (``preallocated=True, warmup=True``); and as ``run-plan`` runs
+it, allocating its destination in fresh processes. Each (switch, budget, way) counts once in
+the fit, by its fastest repeat. From every run's per-process switch reports it takes the
+slowest process's ``total_seconds`` (the downtime of the switch call) and fits:
 
-* **per switch** (``switch_fixed_s``): measured, not fitted: the slowest process's
-  ``setup_seconds`` (binding, the destination storage, preparing round 0) plus the fastest
-  process's ``vote_seconds`` (the commit vote as the last process to arrive sees it; the
-  others' votes also hold their wait for it). The median over all runs.
-* **per round** (``round_fixed_us``) and **wire bandwidth** (``intra_node_GBps``): a least
-  squares fit of the rest (downtime minus the per-switch part) against the plan's rounds and
-  the wire model's busiest-link bytes per round, summed over rounds; each run's error counts
-  relative to its downtime, so a 60 ms switch weighs as much as a 1 s one.
+* on the first way, the per-switch part (``switch_fixed_s``), the per-round part
+  (``round_fixed_us``) and the wire bandwidth (``intra_node_GBps``): a least-squares fit of the
+  downtime against one, the plan's rounds and the wire model's busiest-link bytes per round,
+  summed over rounds; each run's error counts relative to its downtime, so a 30 ms switch
+  weighs as much as a 1 s one;
+* on the second, what it takes beyond that prediction, against one (``allocate_fixed_s``) and
+  the busiest device's destination bytes (``first_touch_GBps``), alike.
 
 It prints every run, the fitted constants, each run's predicted downtime with them against
 its measured one, and writes the same as JSON; the constants go into ``PRESETS["gloo-local"]``
@@ -191,7 +192,7 @@ def fit(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 switches x 2 budgets x 1 repeat")
+    ap.add_argument("--quick", action="store_true", help="5 switches, 1-2 budgets, 1 repeat")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--refit", type=Path, help="fit the runs of this earlier JSON, run nothing")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -167,7 +167,7 @@ def one_switch(sw: LiveSwitcher, job, src, dst, reserve: int | None) -> tuple:
     sw.reserve_bytes = reserve
     sw.prepare(dst).result()
     streams = _rng_streams()
-    why = sw.build_ahead()  # None: built ahead; else why not (the switch builds)
+    why = sw.build_ahead(job)  # None: built ahead, its exchange too; else why not
     if not all(torch.equal(x, y) for x, y in zip(streams, _rng_streams())):
         raise Mismatch("the build ahead left torch's RNG streams changed")
     before = megatron_view(job)
@@ -179,6 +179,7 @@ def one_switch(sw: LiveSwitcher, job, src, dst, reserve: int | None) -> tuple:
     if now != carried:
         raise Mismatch(f"iteration, samples or scheduler not carried: {carried} vs {now}")
     return switched, {"built_ahead": bool(result.report.get("built_ahead")),
+                      "exchange_made_ahead": bool(result.report.get("prepared_ahead")),
                       "why_not_ahead": why, "tensors_compared": tensors,
                       "downtime_s": result.seconds["downtime"], "phases_s": result.phases(),
                       "build_ahead_s": result.seconds.get("build_ahead")}
@@ -232,6 +233,8 @@ def run(model: str, device_kind: str, backend: str) -> dict:
             raise Mismatch(f"switch {s['switch']}: no reason why it was not built ahead")
         if want_ahead == ("build" in s["phases_s"]):
             raise Mismatch(f"switch {s['switch']}: phases {sorted(s['phases_s'])}")
+        if s["built_ahead"] and not s["exchange_made_ahead"]:
+            raise Mismatch(f"switch {s['switch']}: built ahead, its exchange not made then")
     return {"model": model, "iterations": len(losses), "losses": losses,
             "switches": switches}
 
@@ -240,7 +243,8 @@ def table(doc: dict) -> str:
     lines = [f"{doc['device_name']}: {doc['model']} model, one process ({doc['backend']}), "
              f"{doc['iterations']} iterations"]
     for s in doc["switches"]:
-        ahead = "built ahead" if s["built_ahead"] else f"built at the switch: {s['why_not_ahead']}"
+        ahead = ("built ahead, its exchange made ahead" if s["built_ahead"]
+                 else f"built at the switch: {s['why_not_ahead']}")
         phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in s["phases_s"].items())
         lines.append(f"switch {s['switch']}: {s['from']} -> {s['to']}, {ahead}")
         lines.append(f"  downtime {s['downtime_s'] * 1e3:.1f} ms ({phases} ms); megatron's "

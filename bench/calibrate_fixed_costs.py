@@ -180,9 +180,12 @@ def fit(runs: list[dict[str, Any]]) -> dict[str, float]:
                       for r in alloc])
         w = 1.0 / np.array([r["downtime_s"] for r in alloc])
         (c, x), *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
-        if c < 0 or x <= 0:  # the one that makes sense alone
-            c = max(0.0, c) if x > 0 else max(0.0, float(np.dot(w * w, y) / np.dot(w, w)))
-            x = max(x, 1e-15)
+        if c < 0 or x <= 0:  # refit the one that makes sense alone
+            d, ww = a[:, 1], w * w
+            if x > 0:
+                c, x = 0.0, max(float(np.dot(ww * d, y) / np.dot(ww, d * d)), 1e-15)
+            else:
+                c, x = max(0.0, float(np.dot(ww, y) / ww.sum())), 1e-15
     else:
         c, x = 0.0, 1e-15
     out["allocate_fixed_s"] = float(c)

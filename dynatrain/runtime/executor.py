@@ -307,8 +307,8 @@ def _switch(plan: Plan, src_view: StateView, dst_view: StateView, device: str,
     td = datetime.timedelta(seconds=timeout)
     where = _Where()
     devices = _process_order(plan, order)
-    why = "none given" if prepared is None else prepared.unfit(plan, device, devices,
-                                                               src_store, dst_store)
+    why = "none given" if prepared is None else prepared.bind(plan, device, devices,
+                                                              src_store, dst_store)
     if why:
         prepared = None
     on = tensor_device(src_store, dst_store, pg) if prepared is None else prepared.on

@@ -59,11 +59,10 @@ class PreparedExchange:
     works: tuple[RoundWork, ...]
     seconds: float  # how long preparing took
 
-    def unfit(self, plan: Plan, device: str, devices: tuple[str, ...],
-              src_store: Mapping | None, dst_store: Mapping | None) -> str:
-        """Why this cannot run the switch called with these arguments ("" where it can).
-
-        Where it can, the copied small source tensors take ``src_store``'s values now."""
+    def bind(self, plan: Plan, device: str, devices: tuple[str, ...],
+             src_store: Mapping | None, dst_store: Mapping | None) -> str:
+        """Bind to the switch called with these arguments: "" where this runs it (the copied
+        small source tensors take ``src_store``'s values now), else why it cannot."""
         if plan is not self.plan:
             return "prepared for another plan"
         if device != self.device or devices != self.devices:

@@ -398,6 +398,8 @@ def switch_built(sw: LiveSwitcher, job: MegatronJob, prep: Prepared, src: dict,
         dst, report = switch(prep.plan, src_view, dst_view, sw.device, src, sw.group,
                              timeout=sw.timeout, check_transfers=sw.check_transfers,
                              dst_store=built.storage, prepared=built.exchange)
+        if built.exchange is None:  # the build ahead's reason, not the executor's
+            report["prepared_why"] = built.exchange_why
     except SwitchAborted as err:
         built = None  # free the destination job before going back
         # The source's parallel state was never replaced: nothing to put back first.

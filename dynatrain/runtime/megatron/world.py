@@ -124,6 +124,8 @@ class WorldSwitch:
                                        dst_store=built.storage if built is not None else None,
                                        devices=dst_devices if joined else None,
                                        prepared=built.exchange if built is not None else None)
+            if built is not None and built.exchange is None:  # the build ahead's reason
+                report["prepared_why"] = built.exchange_why
             src_store = None
             lap("exchange")
             # The switch's group is the destination's when both hold the same processes in the

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import load_spec
 from dynatrain.runtime.megatron.control import LiveControl, _Pending
+from dynatrain.runtime.megatron.job import Notice
 
 SPECS = Path(__file__).resolve().parents[1] / "specs" / "tiny-gpt"
 
@@ -66,3 +67,14 @@ def test_a_scheduled_join_builds_at_the_last_boundary_before_it_whatever_the_joi
     assert [control.due(it, None) for it in (3, 4)] == [False, False] and sw.builds == []
     assert control.due(5, None) is False and sw.builds == [None]  # waits for them there
     assert control.due(6, None) is True
+
+
+def test_a_notice_is_built_at_once_whatever_the_world_made_ahead() -> None:
+    # A notice has a deadline: it does not train on waiting (its build ahead waits instead).
+    control, sw = _control()
+    control.iteration_seconds = 0.01
+    dst = load_spec(SPECS / "pp2-dp2.yaml")
+    notice = Notice(("node0:gpu2", "node0:gpu3"), dst, time.monotonic() + 60.0, None)
+    control._set_pending(_Pending(dst, None, 4, notice))
+    assert control.due(1, None) is False and sw.builds == [None]
+    assert control.due(2, None) is True

@@ -321,8 +321,9 @@ class LiveControl:
             return False
         if not self.build_ahead or self._tried:
             return True
-        if not self._everyone(self._world_ready()):
-            return False  # trains on while the joiners make the destination's world
+        if p.notice is None and not self._everyone(self._world_ready()):
+            return False  # trains on while the joiners make the destination's world; a
+            # notice has a deadline (and its devices only leave): built now, as before
         # Built at this boundary: the switch runs at the next one.
         return not self._build(p, job)
 

@@ -9,8 +9,8 @@ For each size (16 MiB, 256 MiB and, on CUDA, 1 GiB) it times, best of the repeat
   per 1 MiB chunk, a Python loop over the chunks), for comparison;
 - copy: one plain contiguous ``copy_`` of as many bytes, the device's own copy bandwidth;
 - on CPU also the check a gloo switch runs instead: ``runtime.fingerprint.word_sums`` (64-bit
-  word sums through numpy), and ``zlib.crc32`` of the same bytes (the previous CPU check; a
-  strided view copied block by block as it did);
+  word sums through torch's int64 reductions), and ``zlib.crc32`` of the same bytes (the
+  previous CPU check; a strided view copied block by block as it did);
 
 each on a contiguous segment and on a strided one (rows of 8 KiB, 16 KiB apart: half the
 columns of a matrix, as a row-parallel slice is). Bandwidth counts each byte once; ``vs copy``

@@ -23,8 +23,10 @@ memory, cut into segments or into tiles does not change the value.
 On CPU (a gloo switch: every process of it on CPU) a transfer's check is instead its *word
 sums* (``word_sums``): each segment's bytes padded with zeros to a multiple of 8, concatenated and
 read as little-endian unsigned 64-bit words ``w[i]``, give ``(sum w[i], sum (i + 1) * w[i])``
-modulo 2**64. numpy's unsigned integers wrap by definition, and a 64-bit word needs no cast, so
-a run of words is summed in place by rows and columns, as the tiles above, at several times the
+modulo 2**64. A 64-bit word needs no cast: a run of words is read in place as int64 (two's
+complement adds wrap exactly as unsigned ones do, the same bits) and summed by torch's
+vectorized reductions by rows and columns, as the tiles above, a slice of about
+``CACHED_BYTES`` at a time so that the column pass rereads it from cache, several times the
 speed of ``zlib.crc32`` here (``bench/fingerprint_bench.py``). Any one changed word moves the
 first sum; two words that differ by ``d`` and trade places ``k`` apart move the second unless
 ``k * d`` is a multiple of 2**64. A view whose rows are whole aligned words is read in place;
@@ -263,10 +265,10 @@ if triton is not None:
 
 # ----- CPU: word sums ----------------------------------------------------------------------------
 
-WORD = np.dtype("<u8")  # little-endian unsigned 64-bit: the same value on every host
+LITTLE_ENDIAN = np.dtype("<u8").isnative  # words are read in the host's order: this one's
 MASK64 = (1 << 64) - 1
 ROW_WORDS = 1 << 12  # a contiguous run is read as rows of this many words (32 KiB)
-CACHED_BYTES = 1 << 18  # words summed by rows, then by columns, a slice of about this at a time
+CACHED_BYTES = 1 << 20  # words summed by rows, then by columns, a slice of about this at a time
 MIN_SLAB_BYTES = 1 << 16  # a 3-D view with smaller 2-D slabs is copied in blocks instead
 
 
@@ -314,7 +316,8 @@ class _WordSums:
             for block, _, _ in _blocks(x, 0):
                 self._copied(block)
         if self.carry:  # the segment's last word, padded with zeros
-            self._matrix(np.frombuffer(self.carry.ljust(8, b"\0"), dtype=WORD))
+            self._matrix(_words(torch.frombuffer(bytearray(self.carry.ljust(8, b"\0")),
+                                                 dtype=torch.uint8)))
             self.carry = b""
 
     def _copied(self, block: torch.Tensor) -> None:
@@ -328,28 +331,29 @@ class _WordSums:
         buf[c:c + m].view(block.shape).copy_(block)
         n = (c + m) - (c + m) % 8
         if n:
-            self._matrix(buf[:n].numpy().view(WORD))
+            self._matrix(_words(buf[:n]))
         self.carry = buf[n:c + m].numpy().tobytes()
 
-    def _matrix(self, w: np.ndarray) -> None:
-        """Add words ``w`` (1-D, or 2-D read row by row) at positions ``pos``, ``pos + 1``, ...
+    def _matrix(self, w: torch.Tensor) -> None:
+        """Add words ``w`` (int64, 1-D, or 2-D read row by row) at positions ``pos``,
+        ``pos + 1``, ...
 
         Word ``(r, c)`` sits at ``i = pos + r * cols + c``, so ``sum (i + 1) w`` is
-        ``(pos + 1) a + cols * sum_r r rowsum_r + sum_c c colsum_c``: a handful of numpy calls
-        per matrix (on a busy host their overhead rivals the sums), every step modulo 2**64."""
-        if w.ndim == 1:
-            body = w.size - w.size % ROW_WORDS
+        ``(pos + 1) a + cols * sum_r r rowsum_r + sum_c c colsum_c``: a handful of torch calls
+        per slice (on a busy host their overhead rivals the sums), every step modulo 2**64."""
+        if w.dim() == 1:
+            body = w.numel() - w.numel() % ROW_WORDS
             if body:
-                self._matrix(w[:body].reshape(-1, ROW_WORDS))
-            if body < w.size:
+                self._matrix(w[:body].view(-1, ROW_WORDS))
+            if body < w.numel():
                 tail = w[body:]
-                a = int(tail.sum(dtype=np.uint64))
+                a = int(tail.sum())
                 self.a += a
-                self.b += (self.pos + 1) * a + int(np.dot(_index(tail.size), tail))
-                self.pos += tail.size
+                self.b += (self.pos + 1) * a + int(torch.dot(_index(tail.numel()), tail))
+                self.pos += tail.numel()
             return
         rows, cols = w.shape
-        if not w.size:
+        if not w.numel():
             return
         if cols > ROW_WORDS and rows > 1:  # long rows: one at a time, each cut into rows
             for row in w:
@@ -360,22 +364,22 @@ class _WordSums:
             for r in range(0, rows, step):
                 self._matrix(w[r:r + step])
             return
-        row_sums = w.sum(1, dtype=np.uint64)
-        a = int(row_sums.sum(dtype=np.uint64))
+        row_sums = w.sum(1)
+        a = int(row_sums.sum())
         self.a += a
-        self.b += ((self.pos + 1) * a + cols * int(np.dot(_index(rows), row_sums))
-                   + int(np.dot(_index(cols), w.sum(0, dtype=np.uint64))))
+        self.b += ((self.pos + 1) * a + cols * int(torch.dot(_index(rows), row_sums))
+                   + int(torch.dot(_index(cols), w.sum(0))))
         self.pos += rows * cols
 
 
-_INDEX = np.arange(ROW_WORDS, dtype=np.uint64)
+_INDEX = torch.arange(ROW_WORDS, dtype=torch.int64)
 
 
-def _index(n: int) -> np.ndarray:
-    """0, 1, ..., n - 1 as uint64 (a view of one cached array)."""
+def _index(n: int) -> torch.Tensor:
+    """0, 1, ..., n - 1 as int64 (a view of one cached tensor)."""
     global _INDEX
-    if _INDEX.size < n:
-        _INDEX = np.arange(n, dtype=np.uint64)
+    if _INDEX.numel() < n:
+        _INDEX = torch.arange(n, dtype=torch.int64)
     return _INDEX[:n]
 
 
@@ -386,9 +390,11 @@ def _word_viewable(x: torch.Tensor) -> bool:
             and all(s % 8 == 0 for s in x.stride()[:-1]))
 
 
-def _words(x: torch.Tensor) -> np.ndarray:
-    """``x`` (word-viewable) as little-endian 64-bit words, in place."""
-    return x.numpy().view(WORD)
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (word-viewable) as 64-bit words (int64: the same bits), in place. The words are
+    little-endian by definition: on a big-endian host their bytes are swapped first."""
+    w = x.view(torch.int64)
+    return w if LITTLE_ENDIAN else torch.from_numpy(w.numpy().byteswap())
 
 
 # ----- the check of a switch -------------------------------------------------------------------

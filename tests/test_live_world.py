@@ -84,6 +84,12 @@ DENSE = Scenario(
     schedule=[("b", "commit"), ("dp4", "missing"), ("c", "build fails"), ("c", "commit")],
     exit_on_leave=("node0:gpu3",), fresh=("node0:gpu3",), fail_fresh_build="c",
     fail_fresh_builds=2, build_ahead_at=(0, 2, 3))
+# gpu3 leaves (and exits) while a freshly started gpu4 joins, in one switch: a node replaced
+REPLACE = Scenario(
+    cases={"a": case("a", 4, tp=2, **MODEL),
+           "r": dict(case("r", 4, tp=2, **MODEL), devices=[*DEV[:3], "node0:gpu4"])},
+    schedule=[("r", "commit")], exit_on_leave=("node0:gpu3",), fresh=("node0:gpu4",),
+    build_ahead_at=(0,))
 MOE_ETP = Scenario(
     cases={"ma": case("ma", 4, ep=2, etp=2, **MOE_MODEL),
            "mb": case("mb", 2, ep=2, etp=1, **MOE_MODEL),
@@ -283,6 +289,28 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
     # Every process of the last layout trained one more iteration together.
     assert all(ev[n][-1]["final"] is not None
                for n in ("node0:gpu0", "node0:gpu1", "node0:gpu2", "fresh-node0:gpu3"))
+
+
+def test_a_device_leaves_and_another_joins_in_one_switch() -> None:
+    """TP2·DP2 on gpu0-3 -> TP2·DP2 on gpu0-2 and gpu4: gpu3 leaves and exits, a process
+    started for gpu4 while the switch is under way joins. Neither world holds the other: the
+    destination's world and job are made at the switch (the build ahead says why and leaves
+    the job exactly as it was), and every destination process equals megatron's reload."""
+    ev = _run(REPLACE)
+    final = {d: ev[d][0] for d in DEV[:3]} | {"node0:gpu4": ev["fresh-node0:gpu4"][0]}
+    assert {d: e["role"] for d, e in final.items()} == {
+        "node0:gpu0": "stayed", "node0:gpu1": "stayed", "node0:gpu2": "stayed",
+        "node0:gpu4": "joined"}
+    _assert_equal_to_reload(final)
+    assert ev["node0:gpu3"][0]["left"] and len(ev["node0:gpu3"]) == 2  # left, then exited
+    for d in DEV[:3]:
+        why = final[d]["ahead"]["why"]
+        assert why and "not made ahead" in why and final[d]["ahead"]["diffs"] == [], (d, why)
+    for d, e in final.items():
+        assert not e["world_ahead"] and not e["built_ahead"] and e["built_at_switch"], d
+        assert e["prepared"][0] is False, (d, e["prepared"])
+    assert all(ev[n][-1]["final"] is not None
+               for n in ("node0:gpu0", "node0:gpu1", "node0:gpu2", "fresh-node0:gpu4"))
 
 
 @pytest.mark.slow  # deep profile: worlds shrink and grow in the test above; MoE switches in

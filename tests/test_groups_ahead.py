@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from dynatrain.runtime.megatron.groups_ahead import (GroupsAhead, joinworld, record, subworld,
-                                                     supported)
+                                                     supported, switch_order)
 from megatron_support import live
 
 SRC = dict(tensor_model_parallel_size=2, create_gloo_process_groups=True)
@@ -243,8 +243,16 @@ def test_a_world_where_devices_join_is_made_ahead_beside_the_jobs() -> None:
 
 def test_a_joinworld_holds_the_whole_job_and_more(monkeypatch) -> None:
     w = joinworld(JOB, DEVICES, DEVICES[3], "ahead/g1", None, timeout=5)
-    assert w is not None and (w.size, w.rank) == (4, 3)
-    assert joinworld(JOB, DEVICES[1:], DEVICES[1], "n", None, timeout=5) is None  # gpu0 leaves
+    assert w is not None and (w.size, w.rank, w.union, w.union_rank) == (4, 3, 4, 3)
+    assert not w.leaves
+    # gpu0 leaves while gpu2-3 join: the switch's world holds the destination's processes
+    # first, then gpu0; gpu0 has no destination rank.
+    assert switch_order(JOB, DEVICES[1:]) == (*DEVICES[1:], DEVICES[0])
+    w = joinworld(JOB, DEVICES[1:], DEVICES[1], "n", None, timeout=5)
+    assert w is not None and (w.size, w.rank, w.union, w.union_rank) == (3, 0, 4, 0) and w.leaves
+    w = joinworld(JOB, DEVICES[1:], DEVICES[0], "n", None, timeout=5)
+    assert w is not None and (w.size, w.rank, w.union, w.union_rank) == (3, None, 4, 3)
+    assert joinworld(JOB, DEVICES[1:], "node1:gpu0", "n", None, timeout=5) is None  # not in it
     # A joiner first: ranks are the destination's (the switch runs in that order).
     w = joinworld(JOB, (DEVICES[2], *JOB), JOB[0], "n", None, timeout=5)
     assert w is not None and (w.size, w.rank) == (3, 1)

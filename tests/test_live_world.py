@@ -65,6 +65,7 @@ class Scenario:
     fail_fresh_builds: int = 1  # how many of them
     global_batch: int = 8
     build_ahead_at: tuple[int, ...] = ()  # switches whose destination job is built ahead
+    fresh_first: bool = False  # start the fresh processes before the first prepare
 
     def specs(self) -> dict:
         out = {k: to_spec(c) for k, c in self.cases.items()}
@@ -89,7 +90,7 @@ REPLACE = Scenario(
     cases={"a": case("a", 4, tp=2, **MODEL),
            "r": dict(case("r", 4, tp=2, **MODEL), devices=[*DEV[:3], "node0:gpu4"])},
     schedule=[("r", "commit")], exit_on_leave=("node0:gpu3",), fresh=("node0:gpu4",),
-    build_ahead_at=(0,))
+    build_ahead_at=(0,), fresh_first=True)
 MOE_ETP = Scenario(
     cases={"ma": case("ma", 4, ep=2, etp=2, **MOE_MODEL),
            "mb": case("mb", 2, ep=2, etp=1, **MOE_MODEL),
@@ -152,6 +153,11 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
                 sw.close()
                 return out
             name, what = sc.schedule[step]
+            if sc.fresh_first and device == "node0:gpu1" and step == 0:
+                for d in sc.fresh:  # waiting as spares before the switch is announced
+                    elastic.trigger(store, f"fresh-{d}")
+                for d in sc.fresh:
+                    assert rdzv.wait(f"spare/{d}", 60.0) is not None, d
             sw.prepare(specs[name]).result()
             ahead: dict = {}
             if step in sc.build_ahead_at:  # the job must be exactly as before it afterwards
@@ -163,7 +169,7 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
             before = tr.state(job)
             eval_before = tr.step(job, forward_only=True)
             rdzv.timeout = MISSING_TIMEOUT if what == "missing" else TIMEOUT
-            if device == "node0:gpu1" and step == 0:
+            if device == "node0:gpu1" and step == 0 and not sc.fresh_first:
                 for d in sc.fresh:
                     elastic.trigger(store, f"fresh-{d}")  # start it while the job switches
             try:
@@ -293,9 +299,11 @@ def test_world_shrinks_and_grows_with_spare_and_fresh_processes() -> None:
 
 def test_a_device_leaves_and_another_joins_in_one_switch() -> None:
     """TP2·DP2 on gpu0-3 -> TP2·DP2 on gpu0-2 and gpu4: gpu3 leaves and exits, a process
-    started for gpu4 while the switch is under way joins. Neither world holds the other: the
-    destination's world and job are made at the switch (the build ahead says why and leaves
-    the job exactly as it was), and every destination process equals megatron's reload."""
+    started for gpu4 while the job trains joins. Neither world holds the other: the switch's
+    world (all five processes) and the destination's with megatron's groups were made while
+    the job trained, the destination job built at the boundary before (by the job's
+    processes that stay and the joiner; the one that leaves builds nothing), leaving the job
+    exactly as it was; every destination process equals megatron's reload."""
     ev = _run(REPLACE)
     final = {d: ev[d][0] for d in DEV[:3]} | {"node0:gpu4": ev["fresh-node0:gpu4"][0]}
     assert {d: e["role"] for d, e in final.items()} == {
@@ -303,12 +311,14 @@ def test_a_device_leaves_and_another_joins_in_one_switch() -> None:
         "node0:gpu4": "joined"}
     _assert_equal_to_reload(final)
     assert ev["node0:gpu3"][0]["left"] and len(ev["node0:gpu3"]) == 2  # left, then exited
-    for d in DEV[:3]:
-        why = final[d]["ahead"]["why"]
-        assert why and "not made ahead" in why and final[d]["ahead"]["diffs"] == [], (d, why)
+    for d in (*DEV[:3], "node0:gpu3"):
+        assert ev[d][0]["ahead"] == {"why": None, "diffs": []}, (d, ev[d][0]["ahead"])
+        assert ev[d][0]["report"]["built_ahead"] and ev[d][0]["report"]["world_ahead"], d
     for d, e in final.items():
-        assert not e["world_ahead"] and not e["built_ahead"] and e["built_at_switch"], d
-        assert e["prepared"][0] is False, (d, e["prepared"])
+        assert e["world_ahead"] and e["groups_ahead"] > 10, (d, e["groups_ahead"])
+        assert e["built_ahead"] and not e["built_at_switch"], (d, e["seconds"])
+        assert tuple(e["prepared"]) == (True, None), (d, e["prepared"])
+    assert ev["node0:gpu3"][0]["report"]["prepared_ahead"]  # a leaver's sends, made ahead
     assert all(ev[n][-1]["final"] is not None
                for n in ("node0:gpu0", "node0:gpu1", "node0:gpu2", "fresh-node0:gpu4"))
 

@@ -29,7 +29,9 @@ Where devices join, the destination's world was made beside the job's, with the 
 build too: the job's rank 0 posts ``build/<g>`` on the store, each joiner waiting in
 ``LiveSwitcher.join`` builds (``build_joined``), and one all-gather in the destination's
 world agrees that every process built the same plan's destination (``all_in_world``); the
-switch then needs no plan vote through the store.
+switch then needs no plan vote through the store. Where devices leave as others join, that
+agreement runs in the switch's world made ahead, which holds the leavers too (they build
+nothing).
 
 The destination is held beside the training job until the switch. On a GPU it is built ahead
 only if its state plus a reserve fits in what is free (``headroom.free_bytes``): the reserve is
@@ -59,7 +61,8 @@ from ..prepared import PreparedExchange, prepare_exchange
 from ..storage import torch_dtype
 from . import te_fp8
 from .bridge import bind_state, extract_state, install_step
-from .groups_ahead import GroupsAhead, Joinworld, _new_group_is, _restore, _snapshot
+from .groups_ahead import (GroupsAhead, Joinworld, _new_group_is, _restore, _snapshot,
+                           switch_order)
 from .groups_ahead import resync as resync_groups
 from .job import (MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, first_line,
                   parallel_kwargs, where_failed)
@@ -254,9 +257,9 @@ def prepare_exchanges(sw: LiveSwitcher, built: Built, job: MegatronJob | None) -
         src_view, dst_view = transition_views(prep.src, prep.dst)
         src = (extract_state(src_view, sw.rank, job.model_chunks, job.optimizer)
                if job is not None else None)
-        built.exchange = prepare_exchange(prep.plan, src_view, dst_view, sw.device, src,
-                                          built.storage,
-                                          devices=prep.dst.devices if joined else None)
+        built.exchange = prepare_exchange(
+            prep.plan, src_view, dst_view, sw.device, src, built.storage,
+            devices=switch_order(prep.src.devices, prep.dst.devices) if joined else None)
         built.exchange_why = None
     except Exception as err:  # noqa: BLE001 — the switch prepares it instead
         built.exchange, built.exchange_why = None, first_line(err)
@@ -305,13 +308,17 @@ def agreed_in_world(sw: LiveSwitcher, ahead: GroupsAhead, ok: bool, digest: byte
 
 
 def all_in_world(ahead: GroupsAhead, ok: bool, digest: bytes) -> bool:
-    """Whether every process of the destination's world made ahead (the job's processes
-    and the joiners) says ``ok`` for the same plan (``digest``): one all-gather on the
-    world's own group. Where all did, the switch needs no plan vote."""
+    """Whether every process of the switch's world made ahead (the job's processes and the
+    joiners: the destination's world, or where devices leave too the switch's) says ``ok``
+    for the same plan (``digest``): one all-gather on the world's own group. Where all did,
+    the switch needs no plan vote."""
     mine = torch.cat([torch.tensor([1 if ok else 0], dtype=torch.int64),
                       torch.frombuffer(bytearray(digest), dtype=torch.int64)])
-    got = [torch.zeros_like(mine) for _ in range(ahead.world.size)]
-    dist.all_gather(got, mine, group=ahead.world_group)
+    world = ahead.world
+    assert isinstance(world, Joinworld)
+    group = ahead.switch_group if world.leaves else ahead.world_group
+    got = [torch.zeros_like(mine) for _ in range(world.union)]
+    dist.all_gather(got, mine, group=group)
     return all(bool(g[0]) and torch.equal(g[1:], mine[1:]) for g in got)
 
 

@@ -18,7 +18,7 @@ boundary. It
    prepares that one;
 3. builds the destination job ahead (``LiveSwitcher.build_ahead``; a same-devices switch's,
    or one whose destination's world was made ahead: devices only leave, e.g. a notice's,
-   or only join, the joiners building with the job): a
+   or join, the joiners building with the job, while others may leave): a
    scheduled one's at a boundary before its iteration once every plan is ready, a requested
    one's at the first boundary where every process has its plan ready (an all-reduce of one
    flag), a notice's only while more than two iterations are left before its deadline;

@@ -37,6 +37,13 @@ torch this runs with, refused (groups made at the switch) where those are missin
 destination's devices in the source's relative order: torch numbers a group's members by sorted
 global rank, megatron by its own world's rank.
 
+Devices that join need a world beside the job's (``Joinworld``): made on the rendezvous
+store, each group by its members only, by the job's processes in the background thread and by
+the joiners while they wait. Where devices leave at the same switch, the switch's own world is
+made so too, over every process of the switch, the destination's processes first (its groups
+are then numbered alike in both worlds): the exchange runs in it, then the destination's
+world becomes the default (``settle``).
+
 Gloo only: NCCL communicators are created lazily by torch (at a group's first collective)
 unless the default group was bound to a device, and an eager ``ncclCommSplit`` is a collective
 on the parent communicator that the training stream is using, so on NCCL groups are created at
@@ -102,44 +109,65 @@ def subworld(src: Sequence[str], dst: Sequence[str], device: str,
 
 @dataclass(frozen=True)
 class Joinworld:
-    """A destination's world that takes in processes from outside the job (spares joining,
-    nobody leaving): made beside the job's world on the rendezvous store, by the job's
-    processes in a background thread and by the joiners while they wait.
+    """A destination's world that takes in processes from outside the job (spares joining):
+    made beside the job's world on the rendezvous store, by the job's processes in a
+    background thread and by the joiners while they wait.
+
+    Where devices also leave (a node replaced: neither world holds the other), the switch's
+    own world is made too, beside the job's, over every process of the switch: the
+    destination's processes in its order, then those that leave (``switch_order``). The
+    destination's processes are its first ranks, so the destination's groups are numbered
+    alike in both worlds. The exchange runs in the switch's world; then the destination's
+    processes make theirs the default group, and those that leave go.
 
     Attributes:
         size: the destination's number of processes.
-        rank: this process's destination rank.
+        rank: this process's destination rank (None: it leaves).
         name: unique to the switch: the store prefix and torch's names of its groups.
         store: the store every process reaches (``Rendezvous.store``).
         timeout: the collective timeout of the destination's default group.
+        union: the switch's number of processes (``size`` where nobody leaves).
+        union_rank: this process's rank in the switch's world.
     """
 
     size: int
-    rank: int
+    rank: int | None
     name: str
     store: Any
     timeout: datetime.timedelta
+    union: int
+    union_rank: int
+
+    @property
+    def leaves(self) -> bool:
+        """Whether devices leave too (the switch's world is not the destination's)."""
+        return self.union > self.size
+
+
+def switch_order(src: Sequence[str], dst: Sequence[str]) -> tuple[str, ...]:
+    """The processes of a switch whose destination ``dst`` takes in devices from outside the
+    source ``src``, in the order of its world: the destination's, then those that leave."""
+    return (*dst, *(d for d in src if d not in dst))
 
 
 def joinworld(src: Sequence[str], dst: Sequence[str], device: str, name: str, store: Any,
               timeout: float) -> Joinworld | None:
-    """The destination ``dst`` as a ``Joinworld`` where it is one: it holds every device of
-    the source and more (in any order: the switch runs in it, its processes in the
-    destination's order), and torch has what making and promoting it needs; else None."""
+    """The destination ``dst`` as a ``Joinworld`` where it is one: it takes in a device the
+    source does not hold (its other devices in any order; devices may leave too), and torch
+    has what making and promoting it needs; else None."""
     c10d = dist.distributed_c10d
     if not all(hasattr(c10d, f) for f in ("_update_default_pg", "_world",
                                           "_new_process_group_helper")):
         return None
-    if not set(src) < set(dst) or device not in dst:
+    order = switch_order(src, dst)
+    if set(dst) <= set(src) or device not in order:
         return None
-    return Joinworld(len(dst), list(dst).index(device), name, store,
-                     datetime.timedelta(seconds=timeout))
+    return Joinworld(len(dst), list(dst).index(device) if device in dst else None, name, store,
+                     datetime.timedelta(seconds=timeout), len(order), order.index(device))
 
 
 def _size_and_rank(world: Subworld | Joinworld) -> tuple[int, int]:
-    if isinstance(world, Subworld):
-        return len(world.ranks), world.rank or 0
-    return world.size, world.rank
+    return (len(world.ranks) if isinstance(world, Subworld) else world.size), world.rank or 0
 
 
 @contextmanager
@@ -268,6 +296,7 @@ class GroupsAhead:
         self.calls = record(self.init, world)
         self.groups: list[Any] = []
         self.world_group: Any = None
+        self.switch_group: Any = None  # a Joinworld's where devices leave too
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._create, name="dynatrain-groups-ahead",
                                         daemon=True)
@@ -293,7 +322,13 @@ class GroupsAhead:
     def _create_joined(self, world: Joinworld) -> None:
         """Every group on its own, members only (torch's ``new_group`` would need the
         destination's world as the default group): numbered as ``new_group`` numbers them,
-        by sorted rank."""
+        by sorted rank. Where devices leave too, the switch's world comes first, and a
+        process that leaves makes only that."""
+        if world.leaves:
+            self.switch_group = _own_group(range(world.union), world.union_rank, world.store,
+                                           f"{world.name}/switch", world.timeout)
+        if world.rank is None:
+            return
         self.world_group = _own_group(range(world.size), world.rank, world.store,
                                       f"{world.name}/world", world.timeout)
         for i, kw in enumerate(self.calls):
@@ -313,11 +348,11 @@ class GroupsAhead:
         if self._thread.is_alive():
             return  # still being made: they go with the next ``destroy_process_group``
         reg = dist.distributed_c10d._world
-        mine = [g for g in [self.world_group, *self.groups]
+        mine = [g for g in [self.switch_group, self.world_group, *self.groups]
                 if isinstance(g, dist.ProcessGroup) and g in reg.pg_map]
         for pg in mine:
             dist.destroy_process_group(pg)
-        self.world_group, self.groups = None, []
+        self.switch_group, self.world_group, self.groups = None, None, []
         release_in_background(mine)
 
     def settled(self) -> bool:
@@ -330,7 +365,8 @@ class GroupsAhead:
         return not self._thread.is_alive() and self.error is None
 
     def _kept(self) -> list[Any]:
-        return [self.world_group] + [g for g in self.groups if isinstance(g, dist.ProcessGroup)]
+        return [g for g in [self.switch_group, self.world_group, *self.groups]
+                if isinstance(g, dist.ProcessGroup)]
 
     def _renumber(self) -> dict[Any, dict[int, int]]:
         """The destination's world as torch's default group, the kept groups' rank maps in
@@ -375,9 +411,13 @@ class GroupsAhead:
         process stays in, once ``ready`` said so on every process; devices leaving: after
         the switch's exchange, joining: before it): every other group of the old world is
         destroyed and the groups made ahead are numbered in the new world's ranks.
-        ``initialize`` then hands them to megatron."""
+        ``initialize`` then hands them to megatron. Devices joining and leaving: the switch's
+        world, on every process of the switch; after the exchange ``settle`` makes the
+        destination's the default."""
         reg = dist.distributed_c10d._world
-        if isinstance(self.world, Joinworld):
+        if isinstance(self.world, Joinworld) and self.switch_group is not None:
+            dist.distributed_c10d._update_default_pg(self.switch_group)
+        elif isinstance(self.world, Joinworld):
             self._number_joined()
         else:
             self._renumber()
@@ -391,6 +431,17 @@ class GroupsAhead:
             # The joiners' count of torch's groups is not the job's: later groups (named by
             # it) must be named alike everywhere.
             resync()
+
+    def settle(self) -> None:
+        """After the exchange of a switch whose devices join and leave, on a process that
+        stays or joins: the destination's world becomes the default group and the switch's
+        world goes (its first ranks are the destination's: no group is renumbered)."""
+        assert self.switch_group is not None
+        self._number_joined()
+        old = [self.switch_group]  # its last reference: dropped in the background
+        self.switch_group = None
+        dist.destroy_process_group(old[0])
+        release_in_background(old)
 
     def _number_joined(self) -> None:
         """The destination's world as torch's default group (its groups' rank maps are in

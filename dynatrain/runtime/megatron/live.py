@@ -203,8 +203,9 @@ class LiveSwitcher:
             (``groups_ahead.GroupsAhead``). The same where the world changes: the destination's
             default group too, made inside the job's world where devices only leave (a
             notice's switch; ``groups_ahead.Subworld``), beside it where devices join (with
-            the joiners, while they wait in ``join``; ``groups_ahead.Joinworld``). False:
-            create them at the switch.
+            the joiners, while they wait in ``join``; ``groups_ahead.Joinworld``; where
+            others leave meanwhile, the switch's world too). False: create them at the
+            switch.
         buddy: keep buddy copies (``buddy.BuddyCopy``): ``snapshot(job)``, called after every
             optimizer step, copies this rank's optimizer state to host memory and to its
             buddy on another node, so that ``recover`` restores the state of a step every

@@ -15,7 +15,7 @@ from ...ir.state import transition_views, view_of
 from ..executor import process_devices, switch
 from .bridge import extract_state, install_state, install_step
 from .build_ahead import Built, set_parallel_state, set_rng_state
-from .groups_ahead import GroupsAhead, Joinworld, Subworld
+from .groups_ahead import GroupsAhead, Joinworld, Subworld, switch_order
 from .job import MegatronJob, Prepared, SwitchFailed, SwitchResult, carry_into, parallel_kwargs
 from .rendezvous import Rendezvous, RendezvousTimeout
 from . import te_fp8
@@ -116,13 +116,14 @@ class WorldSwitch:
             assert prep is not None
             src_view, dst_view = transition_views(prep.src, prep.dst)
             # A join's world made ahead, now the default group, numbers its processes in the
-            # destination's order.
+            # destination's order (then those that leave, where some do).
             joined = ahead is not None and isinstance(ahead.world, Joinworld)
+            order = switch_order(self.src.devices, dst_devices) if joined else None
             dst_store, report = switch(prep.plan, src_view, dst_view, self.device, src_store,
                                        None, timeout=self.sw.timeout,
                                        check_transfers=self.sw.check_transfers,
                                        dst_store=built.storage if built is not None else None,
-                                       devices=dst_devices if joined else None,
+                                       devices=order,
                                        prepared=built.exchange if built is not None else None)
             if built is not None and built.exchange is None:  # the build ahead's reason
                 report["prepared_why"] = built.exchange_why
@@ -134,6 +135,8 @@ class WorldSwitch:
             if ahead is not None and isinstance(ahead.world, Subworld) \
                     and self.device in dst_devices:
                 ahead.promote()  # the destination's world, made ahead, is the default now
+            elif joined and ahead.switch_group is not None and self.device in dst_devices:
+                ahead.settle()  # devices left too: the destination's world, from the switch's
             elif not keep and self.device in dst_devices:
                 rdzv.leave()  # a leaving process leaves after the vote, off the others' path
             new, outcome, error = None, "ok", None
@@ -222,7 +225,7 @@ class WorldSwitch:
             return None
         ok = ahead.ready(sw.timeout)  # its thread creates groups: done before any other is
         if isinstance(ahead.world, Joinworld) and self.prep is not None \
-                and set(union) == set(self.prep.dst.devices):
+                and set(union) == set(self.prep.dst.devices) | set(self.src.devices):
             return ahead  # agreed in the plan vote, or when built, joiners included
         if isinstance(ahead.world, Subworld) and self.prep is not None \
                 and union == self.src.devices and sw._all_built(ok):

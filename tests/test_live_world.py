@@ -31,6 +31,7 @@ started processes. VPP jobs run with Megatron-LM's p2p defaults (``elastic.megat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class Scenario:
     global_batch: int = 8
     build_ahead_at: tuple[int, ...] = ()  # switches whose destination job is built ahead
     fresh_first: bool = False  # start the fresh processes before the first prepare
+    timeout: float = TIMEOUT  # the rendezvous's and the switches' (groups made ahead too)
 
     def specs(self) -> dict:
         out = {k: to_spec(c) for k, c in self.cases.items()}
@@ -91,6 +93,9 @@ REPLACE = Scenario(
            "r": dict(case("r", 4, tp=2, **MODEL), devices=[*DEV[:3], "node0:gpu4"])},
     schedule=[("r", "commit")], exit_on_leave=("node0:gpu3",), fresh=("node0:gpu4",),
     build_ahead_at=(0,), fresh_first=True)
+# the same, gpu4 started only when the switch runs: after the job's processes gave up making
+# the worlds ahead (they wait ``timeout`` for it)
+REPLACE_LATE = dataclasses.replace(REPLACE, fresh_first=False, timeout=8.0)
 MOE_ETP = Scenario(
     cases={"ma": case("ma", 4, ep=2, etp=2, **MOE_MODEL),
            "mb": case("mb", 2, ep=2, etp=1, **MOE_MODEL),
@@ -107,7 +112,7 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
         for k, s in specs.items()}
 
     def fn(store) -> dict:
-        rdzv = Rendezvous(store, "gloo", prefix="job", timeout=TIMEOUT)
+        rdzv = Rendezvous(store, "gloo", prefix="job", timeout=sc.timeout)
         tr = elastic.Trainer(configs, sc.global_batch)
         fail_build = {"left": sc.fail_fresh_builds if fresh and sc.fail_fresh_build else 0}
 
@@ -121,7 +126,7 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
             return job
 
         out: dict = {"device": device, "events": []}
-        kw = dict(rendezvous=rdzv, timeout=TIMEOUT, check_transfers=True,
+        kw = dict(rendezvous=rdzv, timeout=sc.timeout, check_transfers=True,
                   init_kwargs=dict(create_gloo_process_groups=False))
         if not fresh:
             rdzv.form("start", DEV, device)
@@ -168,14 +173,14 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
             tr.save(job, path)
             before = tr.state(job)
             eval_before = tr.step(job, forward_only=True)
-            rdzv.timeout = MISSING_TIMEOUT if what == "missing" else TIMEOUT
+            rdzv.timeout = MISSING_TIMEOUT if what == "missing" else sc.timeout
             if device == "node0:gpu1" and step == 0 and not sc.fresh_first:
                 for d in sc.fresh:
                     elastic.trigger(store, f"fresh-{d}")  # start it while the job switches
             try:
                 res = sw.switch(job)
             except SwitchFailed as e:
-                rdzv.timeout = TIMEOUT
+                rdzv.timeout = sc.timeout
                 restored = e.job
                 out["events"].append({
                     "step": step, "rolled_back": str(e), "same_object": restored is job,
@@ -184,7 +189,7 @@ def _worker(sc: Scenario, device: str, fresh: bool, ckpt: str):
                     "eval": (eval_before, tr.step(restored, forward_only=True))})
                 job, step = restored, step + 1
                 continue
-            rdzv.timeout = TIMEOUT
+            rdzv.timeout = sc.timeout
             if res.role == "left":
                 out["events"].append({"step": step, "left": True, "seconds": res.seconds,
                                       "ahead": ahead, "report": res.report})
@@ -321,6 +326,24 @@ def test_a_device_leaves_and_another_joins_in_one_switch() -> None:
     assert ev["node0:gpu3"][0]["report"]["prepared_ahead"]  # a leaver's sends, made ahead
     assert all(ev[n][-1]["final"] is not None
                for n in ("node0:gpu0", "node0:gpu1", "node0:gpu2", "fresh-node0:gpu4"))
+
+
+def test_a_joiner_that_comes_after_the_job_gave_up_waiting_is_taken_in_at_the_switch() -> None:
+    """REPLACE with gpu4 started only when the switch runs: the job's processes waited for it
+    to make the worlds ahead (the build ahead says so) and gave up. At the switch gpu4's own
+    attempt still waits for them; it stops at the first vote without the world made ahead,
+    instead of voting after everyone else's wait ran out, and the switch forms its groups and
+    builds then: every destination process equals megatron's reload."""
+    ev = _run(REPLACE_LATE)
+    final = {d: ev[d][0] for d in DEV[:3]} | {"node0:gpu4": ev["fresh-node0:gpu4"][0]}
+    assert {d: e.get("role") for d, e in final.items()} == {
+        "node0:gpu0": "stayed", "node0:gpu1": "stayed", "node0:gpu2": "stayed",
+        "node0:gpu4": "joined"}, {d: e.get("rolled_back") for d, e in final.items()}
+    _assert_equal_to_reload(final)
+    for d in DEV[:3]:
+        assert "not ready within" in final[d]["ahead"]["why"], (d, final[d]["ahead"])
+    for d, e in final.items():
+        assert not e["world_ahead"] and e["built_at_switch"], (d, e["seconds"])
 
 
 @pytest.mark.slow  # deep profile: worlds shrink and grow in the test above; MoE switches in

@@ -223,15 +223,30 @@ class WorldSwitch:
             ahead = built.ahead
         if ahead is None:
             return None
-        ok = ahead.ready(sw.timeout)  # its thread creates groups: done before any other is
         if isinstance(ahead.world, Joinworld) and self.prep is not None \
                 and set(union) == set(self.prep.dst.devices) | set(self.src.devices):
+            if built is None:
+                self._ready_unless_voted_down(ahead, union)
             return ahead  # agreed in the plan vote, or when built, joiners included
+        ok = ahead.ready(sw.timeout)  # its thread creates groups: done before any other is
         if isinstance(ahead.world, Subworld) and self.prep is not None \
                 and union == self.src.devices and sw._all_built(ok):
             return ahead
         ahead.discard()
         return None
+
+    def _ready_unless_voted_down(self, ahead: GroupsAhead, union: tuple[str, ...]) -> None:
+        """Wait for a join's world made ahead (at most the switch's timeout) until some
+        process of the switch has voted without it: then it cannot be taken, and waiting on
+        would only make this process's vote late. (A joiner that came after the job's
+        processes gave up waiting for it would otherwise wait its whole timeout for groups
+        whose other members are gone.)"""
+        deadline = time.monotonic() + self.sw.timeout
+        keys = [f"g{self.g}/plan/{d}" for d in union if d != self.device]
+        while not ahead.ready(0.05) and time.monotonic() < deadline:
+            votes = [self.rdzv.read(k) for k in keys]
+            if any(v is not None and not str(v["outcome"]).endswith(AHEAD) for v in votes):
+                return
 
     def _install_built(self, built: Built, dst_store: dict, carry: dict, lap) -> MegatronJob:
         """The destination job built ahead, its state switched into it: megatron's parallel

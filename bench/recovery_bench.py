@@ -43,6 +43,7 @@ peers' published figures. The model is an estimate, not a measurement: it says s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -115,6 +116,7 @@ def _devices(way: str) -> tuple[list[str], str]:
 
 
 def worker(device: str, way: str, store_path: str, tmpdir: str) -> None:
+    gc.freeze()  # forked: the bench's imports stay out of its cycle collections (forked.py)
     try:
         example.quiet_library_warnings()
         torch.set_num_threads(1)

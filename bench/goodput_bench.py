@@ -94,7 +94,8 @@ import mcore_job  # noqa: E402
 from dynatrain.ir.layout import Layout  # noqa: E402
 from dynatrain.ir.loader import spec_from_dict, spec_to_dict  # noqa: E402
 from dynatrain.planner.suggest import suggest  # noqa: E402
-from dynatrain.runtime.megatron import LiveSwitcher, Rendezvous, cpu, parallel_kwargs  # noqa: E402
+from dynatrain.runtime.megatron import (LiveSwitcher, Rendezvous, SwitchFailed, cpu,  # noqa: E402
+                                        parallel_kwargs)
 from dynatrain.runtime.megatron.control import LiveControl  # noqa: E402
 from dynatrain.runtime.megatron.requests import post_notice, post_request  # noqa: E402
 from dynatrain.verify.check import check  # noqa: E402
@@ -198,7 +199,10 @@ def live_worker(device: str, store_path: str, start_unix: float, end_unix: float
         joined = False
         while True:
             if job is None:  # left: a spare until capacity is back (or the job ends)
-                result = sw.join(timeout=TIMEOUT * 4)
+                try:
+                    result = sw.join(timeout=TIMEOUT * 4)
+                except SwitchFailed:  # the job rolled back and trains on; the event is
+                    continue  # reported not done, and this spare waits for the next switch
                 if result is None:
                     return
                 job, joined = result.job, True  # at the boundary the others switched at

@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -45,6 +46,21 @@ settings.load_profile(os.environ.get("DYNATRAIN_HYPOTHESIS", "ci"))
 # would write page by page into the child's copy-on-write memory. Measured on
 # tests/test_live_world.py: 62 CPU-seconds without, 50 with.
 os.register_at_fork(after_in_child=gc.freeze)
+
+
+# Files whose tests each start their own processes and share nothing (no module fixture, no
+# cache): their tests go to the xdist workers one by one. Every other file runs whole on one
+# worker, its module fixtures built once (``--dist loadgroup`` in pyproject.toml).
+SPREAD = {"test_bench_short.py", "test_shipped_examples.py", "test_live_world.py",
+          "test_live_failures.py", "test_live_buddy.py", "test_te_live.py",
+          "test_megatron_lm_control.py", "test_megatron_lm_recovery.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(item.nodeid if name in SPREAD else name))
 
 
 def pytest_sessionstart(session) -> None:

@@ -2,11 +2,12 @@
 data-parallel-only elasticity, each running the same job through the same trace.
 
     python bench/goodput_bench.py                   # the full trace (about 4 minutes per way)
-    python bench/goodput_bench.py --trace short     # the shortest (what the tests run)
+    python bench/goodput_bench.py --trace short --global-batch 6   # the shortest (what the tests run)
     python bench/goodput_bench.py --ways live,checkpoint --out FILE
 
 The job is ``examples/live_switch_gpt.py``'s dense GPT, trained with megatron-core on 8 forked
-gloo processes, "4 nodes x 2 GPUs", starting in TP2 PP2 DP2 (global batch 12 x 16 tokens). The
+gloo processes, "4 nodes x 2 GPUs", starting in TP2 PP2 DP2 (global batch 12 x 16 tokens unless
+``--global-batch`` says otherwise). The
 trace is a list of events at wall-clock offsets: a preemption notice (a node leaves, its
 deadline some seconds later), a failure without notice (the node's processes are SIGKILLed
 wherever they are) and capacity coming back (the node returns; after a failure, as new
@@ -180,7 +181,7 @@ def live_worker(device: str, store_path: str, start_unix: float, end_unix: float
     cpu.set_device(DEVICES.index(device))
     store = dist.FileStore(store_path, -1)
     rdzv = Rendezvous(store, "gloo", prefix="job", timeout=TIMEOUT, group_timeout=GROUP_S)
-    trainer = mcore_job.GlobalBatch(GLOBAL_BATCH, SEQ, example.BASE["vocab_size"])
+    trainer = mcore_job.GlobalBatch(args.global_batch, SEQ, example.BASE["vocab_size"])
     spec = None if fresh else first_spec()
     with cpu.cpu_shim():
         job = None
@@ -271,7 +272,7 @@ def checkpoint_worker(device: str, devices: list[str], spec_doc: dict, segment: 
     cpu.set_device(DEVICES.index(device))
     store = dist.FileStore(store_path, -1)
     rdzv = Rendezvous(store, "gloo", prefix=f"segment{segment}", timeout=TIMEOUT)
-    trainer = mcore_job.GlobalBatch(GLOBAL_BATCH, SEQ, example.BASE["vocab_size"])
+    trainer = mcore_job.GlobalBatch(args.global_batch, SEQ, example.BASE["vocab_size"])
     spec = spec_from_dict(spec_doc)
     leader = devices[0] == device
     with cpu.cpu_shim():
@@ -713,6 +714,10 @@ def main() -> None:
                     help="an iteration's accelerator time on one device: it takes S / devices "
                          "seconds (default 16: 2 s on 8 devices, longer than its real step "
                          "here)")
+    ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH, metavar="N",
+                    help=f"samples per iteration (default {GLOBAL_BATCH}; a multiple of 6: "
+                         "every data-parallel size on 8, 6 or 4 devices of the trace divides "
+                         "it; fewer micro-batches, less CPU per iteration)")
     ap.add_argument("--save-every", type=int, default=5, metavar="N",
                     help="the checkpoint way saves every N iterations, as Megatron-LM's "
                          "--save-interval does (default 5: about 10 s here); a failure loses "
@@ -752,6 +757,8 @@ def main() -> None:
         if not (math.isfinite(v) and v >= 0) or (name in positive and v == 0):
             ap.error(f"--{name.replace('_', '-')}: a finite number "
                      f"{'> 0' if name in positive else '>= 0'} (got {v})")
+    if args.global_batch < 6 or args.global_batch % 6:
+        ap.error(f"--global-batch: a positive multiple of 6 (got {args.global_batch})")
     if args.save_every < 1:
         ap.error(f"--save-every: an integer >= 1 (got {args.save_every})")
     trace = TRACES[args.trace]
@@ -760,7 +767,7 @@ def main() -> None:
                  "trace": args.trace, "events": trace["events"],
                  "duration_s": trace["duration"], "work_s": args.work, "devices": DEVICES,
                  "save_every": args.save_every, "collective_timeout_s": COLLECTIVE_S,
-                 "first_layout": "tp2-pp2-dp2", "global_batch": GLOBAL_BATCH, "seq": SEQ}
+                 "first_layout": "tp2-pp2-dp2", "global_batch": args.global_batch, "seq": SEQ}
     rows = []
     for way in ways:
         with tempfile.TemporaryDirectory(prefix=f"goodput_{way}_") as tmpdir:

@@ -35,7 +35,7 @@ SHORT = {
     "ckpt_load_bench": ["--repeat", "1", "--json"],
     "recovery_bench": ["--repeat", "1", "--out"],
     "plan_bench": ["--only", "GPT-OSS", "--out"],  # the full bench plans 1000s of GPUs
-    "goodput_bench": ["--trace", "short", "--startup", "8", "--out"],
+    "goodput_bench": ["--trace", "short", "--startup", "8", "--global-batch", "6", "--out"],
     "one_device_switch": ["--device", "cpu", "--out"],
 }
 

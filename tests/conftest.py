@@ -52,7 +52,7 @@ os.register_at_fork(after_in_child=gc.freeze)
 # cache): their tests go to the xdist workers one by one. Every other file runs whole on one
 # worker, its module fixtures built once (``--dist loadgroup`` in pyproject.toml).
 SPREAD = {"test_bench_short.py", "test_shipped_examples.py", "test_live_world.py",
-          "test_live_failures.py", "test_live_buddy.py", "test_te_live.py",
+          "test_live_failures.py", "test_live_buddy.py",
           "test_megatron_lm_control.py", "test_megatron_lm_recovery.py"}
 
 

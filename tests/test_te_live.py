@@ -15,6 +15,9 @@ again.
   experts with a router expert bias, an MTP layer (so an embedding copy on the last stage) —
   PP2·EP2 -> TP2·EP2 with sequence parallelism;
 * ``slow`` (~29 s): a grouped-GEMM MoE (TEGroupedMLP, SwiGLU, router expert bias) EP2 -> EP4.
+
+Every switch the run selects from this file runs in one child interpreter (``switched``), one
+after another; each test checks its own.
 """
 
 from __future__ import annotations
@@ -78,12 +81,37 @@ SWITCHES = {
 }
 CASES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n.startswith("moe") else [])
          for n in SWITCHES]
+ROLLBACK = "rollback:fp8-delayed-tp2-dp2->pp2-dp2"
+
+
+@pytest.fixture(scope="module")
+def switched(request) -> dict:
+    """The results of every switch this run selected from this module (each test's, or the
+    traceback that ended it), from one child interpreter."""
+    jobs = {}
+    for item in request.session.items:
+        if item.path != request.path:
+            continue
+        if item.originalname == "test_fp8_job_trains_on_after_a_rolled_back_switch":
+            cfg_a, cfg_b, _ = SWITCHES[ROLLBACK.split(":", 1)[1]]
+            jobs[ROLLBACK] = {"a": cfg_a, "b": cfg_b, "rollback": True}
+        else:
+            name = item.callspec.params["name"]
+            jobs[name] = {"a": SWITCHES[name][0], "b": SWITCHES[name][1]}
+    return te_live.te_live_batch(jobs)
+
+
+def _results(switched: dict, key: str) -> list[dict]:
+    got = switched[key]
+    if isinstance(got, str):
+        pytest.fail(f"{key} failed in the child:\n{got[-4000:]}")
+    return got
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_te_live_switch_equals_megatron_checkpoint_reload(name: str) -> None:
+def test_te_live_switch_equals_megatron_checkpoint_reload(name: str, switched: dict) -> None:
     cfg_a, cfg_b, dst_sizes = SWITCHES[name]
-    results = te_live.te_live_switch(cfg_a, cfg_b)
+    results = _results(switched, name)
     assert len(results) == cfg_a["world"]
     for rank, res in enumerate(results):
         # Really TE builds on both sides (stand-in modules), and really the destination layout.
@@ -117,7 +145,7 @@ def test_te_live_switch_equals_megatron_checkpoint_reload(name: str) -> None:
     assert any(r["losses"][0] for r in results), "no rank saw a loss"
 
 
-def test_fp8_job_trains_on_after_a_rolled_back_switch() -> None:
+def test_fp8_job_trains_on_after_a_rolled_back_switch(switched: dict) -> None:
     """A switch whose destination build fails on one process sends every process back to the
     source layout with new process groups. TE registered each delayed-scaling module under the
     old amax-reduction group and reduces every registration at each autocast exit, so the
@@ -125,8 +153,8 @@ def test_fp8_job_trains_on_after_a_rolled_back_switch() -> None:
     iteration then runs and updates the scales with every registration under the new group.
     (Stale registrations would keep reducing over the old groups, which megatron's
     ``destroy_model_parallel`` only forgets; a world change destroys them for real.)"""
-    cfg_a, cfg_b, _ = SWITCHES["fp8-delayed-tp2-dp2->pp2-dp2"]
-    results = te_live.te_live_rollback(cfg_a, cfg_b)
+    cfg_a = SWITCHES["fp8-delayed-tp2-dp2->pp2-dp2"][0]
+    results = _results(switched, ROLLBACK)
     assert len(results) == cfg_a["world"]
     for rank, res in enumerate(results):
         assert "building the destination failed" in res["failed"], (rank, res["failed"])

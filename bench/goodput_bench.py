@@ -2,16 +2,15 @@
 data-parallel-only elasticity, each running the same job through the same trace.
 
     python bench/goodput_bench.py                   # the full trace (about 4 minutes per way)
-    python bench/goodput_bench.py --trace short --global-batch 6   # the shortest (what the tests run)
+    python bench/goodput_bench.py --trace short --global-batch 6   # what the tests run
     python bench/goodput_bench.py --ways live,checkpoint --out FILE
 
 The job is ``examples/live_switch_gpt.py``'s dense GPT, trained with megatron-core on 8 forked
-gloo processes, "4 nodes x 2 GPUs", starting in TP2 PP2 DP2 (global batch 12 x 16 tokens unless
-``--global-batch`` says otherwise). The
-trace is a list of events at wall-clock offsets: a preemption notice (a node leaves, its
-deadline some seconds later), a failure without notice (the node's processes are SIGKILLed
-wherever they are) and capacity coming back (the node returns; after a failure, as new
-processes). Each way meets them as the systems it stands for do:
+gloo processes, "4 nodes x 2 GPUs", starting in TP2 PP2 DP2 (global batch 12 x 16 tokens, or
+``--global-batch``). The trace is a list of events at wall-clock offsets: a preemption notice
+(a node leaves, its deadline some seconds later), a failure without notice (the node's
+processes are SIGKILLed wherever they are) and capacity coming back (the node returns; after a
+failure, as new processes). Each way meets them as the systems it stands for do:
 
 * **live** (DynaTrain): the bench, as a scheduler, posts the notice to the job's store
   (``requests.post_notice``, what ``dynatrain notice`` does); the job's ``LiveControl`` picks

@@ -81,7 +81,7 @@ SWITCHES = {
 }
 CASES = [pytest.param(n, id=n, marks=[pytest.mark.slow] if n.startswith("moe") else [])
          for n in SWITCHES]
-ROLLBACK = "rollback:fp8-delayed-tp2-dp2->pp2-dp2"
+ROLLED_BACK = "fp8-delayed-tp2-dp2->pp2-dp2"  # the switch the rollback test fails
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,8 @@ def switched(request) -> dict:
         if item.path != request.path:
             continue
         if item.originalname == "test_fp8_job_trains_on_after_a_rolled_back_switch":
-            cfg_a, cfg_b, _ = SWITCHES[ROLLBACK.split(":", 1)[1]]
-            jobs[ROLLBACK] = {"a": cfg_a, "b": cfg_b, "rollback": True}
+            cfg_a, cfg_b, _ = SWITCHES[ROLLED_BACK]
+            jobs["rollback"] = {"a": cfg_a, "b": cfg_b, "rollback": True}
         else:
             name = item.callspec.params["name"]
             jobs[name] = {"a": SWITCHES[name][0], "b": SWITCHES[name][1]}
@@ -153,8 +153,8 @@ def test_fp8_job_trains_on_after_a_rolled_back_switch(switched: dict) -> None:
     iteration then runs and updates the scales with every registration under the new group.
     (Stale registrations would keep reducing over the old groups, which megatron's
     ``destroy_model_parallel`` only forgets; a world change destroys them for real.)"""
-    cfg_a = SWITCHES["fp8-delayed-tp2-dp2->pp2-dp2"][0]
-    results = _results(switched, ROLLBACK)
+    cfg_a = SWITCHES[ROLLED_BACK][0]
+    results = _results(switched, "rollback")
     assert len(results) == cfg_a["world"]
     for rank, res in enumerate(results):
         assert "building the destination failed" in res["failed"], (rank, res["failed"])

@@ -1,6 +1,6 @@
 """A live switch (``LiveSwitcher``) of a Transformer Engine job, checked against megatron's reload.
 
-``te_live_switch(cfg_a, cfg_b)`` takes two ``te_cases`` entries (same model, same devices) and
+``te_live_batch`` takes switches, each two ``te_cases`` entries (same model, same devices), and
 runs, in one child interpreter that puts the TE stand-in (``tests/te_standin``) on ``sys.path``
 before megatron is imported (as ``megatron_support.te`` does, so the test process keeps seeing
 "TE not installed"), ``world`` forked gloo workers (``megatron_support.live``) that each:
@@ -30,30 +30,17 @@ import traceback
 
 from .te import STANDIN, run_child
 
-__all__ = ["te_live_batch", "te_live_rollback", "te_live_switch"]
-
-
-def te_live_switch(cfg_a: dict, cfg_b: dict, timeout: float = 300.0) -> list[dict]:
-    """Per rank, what the live switch of ``cfg_a`` -> ``cfg_b`` gave (see module doc)."""
-    return run_child("megatron_support.te_live", {"a": cfg_a, "b": cfg_b}, timeout,
-                     "TE live-switch")
-
-
-def te_live_rollback(cfg_a: dict, cfg_b: dict, timeout: float = 300.0) -> list[dict]:
-    """Per rank: a switch of ``cfg_a`` -> ``cfg_b`` whose destination build fails on rank 0,
-    and what training the source job afterwards gave (see ``_rollback``)."""
-    return run_child("megatron_support.te_live", {"a": cfg_a, "b": cfg_b, "rollback": True},
-                     timeout, "TE live rollback")
+__all__ = ["te_live_batch"]
 
 
 def te_live_batch(jobs: dict[str, dict], timeout: float = 300.0) -> dict[str, list[dict] | str]:
-    """Several switches (``{"a": cfg_a, "b": cfg_b}``, ``"rollback": True`` for
-    ``te_live_rollback``'s) in one child interpreter, one after another: each one's per-rank
-    results as ``te_live_switch`` gives them, or the traceback that ended it (a string). One
-    child instead of one per switch: on Python 3.12 an interpreter importing torch's CUDA
-    build and megatron costs about 14 CPU-seconds before it does anything."""
-    return run_child("megatron_support.te_live", {"batch": jobs}, timeout * max(1, len(jobs)),
-                     "TE live batch")
+    """Switches ``{"a": cfg_a, "b": cfg_b}`` (``"rollback": True``: ``_rollback``'s switch
+    instead) run in one child interpreter, one after another: each one's per-rank results, or
+    the traceback that ended it (a string). One child for all: on Python 3.12 an interpreter
+    importing torch's CUDA build and megatron costs about 14 CPU-seconds before it does
+    anything."""
+    return run_child("megatron_support.te_live", jobs, timeout * max(1, len(jobs)),
+                     "TE live switches")
 
 
 def _one(req: dict) -> list[dict]:
@@ -277,15 +264,12 @@ def _main(src: str, dst: str) -> None:
 
     with open(src) as f:
         req = json.load(f)
-    if "batch" in req:
-        results: dict | list = {}
-        for key, job in req["batch"].items():
-            try:
-                results[key] = _one(job)
-            except Exception:  # noqa: BLE001 — that test reports it; the others still run
-                results[key] = traceback.format_exc()
-    else:
-        results = _one(req)
+    results: dict[str, list | str] = {}
+    for key, job in req.items():
+        try:
+            results[key] = _one(job)
+        except Exception:  # noqa: BLE001 — that test reports it; the others still run
+            results[key] = traceback.format_exc()
     with open(dst, "w") as f:
         json.dump(results, f)
 

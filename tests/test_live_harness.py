@@ -1,13 +1,19 @@
-"""The forked-worker harness (``megatron_support.live.run_workers``) starts its workers once
+"""The forked-worker harnesses. ``megatron_support.live.run_workers`` starts its workers once
 more only when their own gloo group failed to connect, before the test's function ran; a
-failure inside the function is reported, never retried."""
+failure inside the function is reported, never retried. ``elastic.run_processes`` tells a
+process killed on purpose from a failed one by one reading of its exit status."""
 
 from __future__ import annotations
+
+import os
+import signal
+import time
+import types
 
 import pytest
 import torch.distributed as dist
 
-from megatron_support import live
+from megatron_support import elastic, live
 
 
 def test_a_group_that_failed_to_connect_is_formed_again(tmp_path, monkeypatch) -> None:
@@ -41,3 +47,36 @@ def test_a_failure_in_the_function_is_not_retried(tmp_path) -> None:
     with pytest.raises(RuntimeError, match="injected"):
         live.run_workers(fn, 2, timeout=60)
     assert len(runs.read_text()) == 2
+
+
+def test_a_process_that_may_die_is_not_reported_failed_when_its_end_is_seen_late(
+        monkeypatch) -> None:
+    # Whether a process has ended can change between two readings of its exit status. Here
+    # every other reading after the end still says "running": the harness must decide on one
+    # reading, else a process killed on purpose counts as neither killed nor running.
+    real = elastic.multiprocessing.get_context("fork")
+
+    class SeenLate(real.Process):
+        reads = 0
+
+        @property
+        def exitcode(self):
+            code = super().exitcode
+            if code is None:
+                return None
+            self.reads += 1
+            return None if self.reads % 2 else code
+
+    monkeypatch.setattr(elastic.multiprocessing, "get_context",
+                        lambda method: types.SimpleNamespace(Process=SeenLate))
+
+    def victim(store) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def survivor(store) -> int:
+        time.sleep(1.0)  # the harness reads the dead victim's status many times meanwhile
+        return 7
+
+    got = elastic.run_processes({"victim": victim, "survivor": survivor}, may_die=("victim",),
+                                timeout=60)
+    assert got == {"survivor": 7}

@@ -78,19 +78,20 @@ def run_processes(fns: dict[str, Callable[[dist.Store], Any]], *,
                     if store.check([f"test/{key}"]):
                         del late[name]
                         start(name, fn)
-                killed = {n for n, p in procs.items()
-                          if n in may_die and p.exitcode == -signal.SIGKILL}
-                failed = [n for n, p in procs.items()
-                          if p.exitcode not in (None, 0) and n not in killed]
+                # One reading of every exit status: a process that ends between two readings
+                # would count as neither killed nor still running.
+                codes = {n: p.exitcode for n, p in procs.items()}
+                killed = {n for n, c in codes.items() if n in may_die and c == -signal.SIGKILL}
+                failed = {n: c for n, c in codes.items() if c not in (None, 0) and n not in killed}
                 if failed:
                     raise _error(tmpdir, failed)
-                if all(p.exitcode == 0 or n in killed for n, p in procs.items()):
+                if all(c == 0 or n in killed for n, c in codes.items()):
                     if late:
                         raise RuntimeError(f"never started: {sorted(late)}")
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"processes did not finish within {timeout:.0f} s: "
-                                       f"{[n for n, p in procs.items() if p.exitcode is None]}")
+                                       f"{[n for n, c in codes.items() if c is None]}")
                 time.sleep(0.05)
         finally:
             for p in procs.values():
@@ -129,14 +130,16 @@ def _process(name: str, fn: Callable, path: str, tmpdir: str) -> None:
             dist.destroy_process_group()
 
 
-def _error(tmpdir: str, names: list[str]) -> RuntimeError:
-    for n in names:
+def _error(tmpdir: str, codes: dict[str, int]) -> RuntimeError:
+    """The first failed process's own report, else each one's exit status (a negative one:
+    the signal that ended it)."""
+    for n in codes:
         path = os.path.join(tmpdir, f"{n}.error.json")
         if os.path.exists(path):
             with open(path) as f:
                 e = json.load(f)
             return RuntimeError(f"{n}: {e['message']}\n{e['traceback']}")
-    return RuntimeError(f"processes failed without a report: {names}")
+    return RuntimeError(f"processes failed without a report (exit status by process): {codes}")
 
 
 # ---- jobs with a fixed global batch -----------------------------------------------------------

@@ -335,8 +335,9 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
                     any(p.exitcode is None for i, p in enumerate(procs) if i not in killed) \
                     and not any(p.exitcode for i, p in enumerate(procs) if i not in killed):
                 procs[0].join(0.5)
-            failed = [i for i, p in enumerate(procs) if p.exitcode != 0
-                      and not (i in killed and p.exitcode in (-signal.SIGKILL, None))]
+            codes = [p.exitcode for p in procs]  # read once: a process may end meanwhile
+            failed = [i for i, c in enumerate(codes) if c != 0
+                      and not (i in killed and c in (-signal.SIGKILL, None))]
         finally:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):
@@ -351,7 +352,7 @@ def run_pretrain(argv_: list[str], world: int = 2, timeout: float = 300.0,
                 raise RuntimeError(f"{tag} {r}: {e['message']}\n{e['traceback']}")
         if failed:
             raise RuntimeError(f"{[names[i] for i in failed]} did not finish within "
-                               f"{timeout:.0f} s (exit codes {[procs[i].exitcode for i in failed]})")
+                               f"{timeout:.0f} s (exit codes {[codes[i] for i in failed]})")
         return [None if i in killed else
                 torch.load(os.path.join(tmpdir, f"{tag}{r}.pt"), weights_only=False)
                 for i, (tag, r) in enumerate(names)]

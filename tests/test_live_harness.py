@@ -52,20 +52,21 @@ def test_a_failure_in_the_function_is_not_retried(tmp_path) -> None:
 def test_a_process_that_may_die_is_not_reported_failed_when_its_end_is_seen_late(
         monkeypatch) -> None:
     # Whether a process has ended can change between two readings of its exit status. Here
-    # every other reading after the end still says "running": the harness must decide on one
-    # reading, else a process killed on purpose counts as neither killed nor running.
+    # the first reading after the end still says "running", as one taken just before it would:
+    # the harness must decide on one reading, else a process killed on purpose counts as
+    # neither killed nor running.
     real = elastic.multiprocessing.get_context("fork")
 
     class SeenLate(real.Process):
-        reads = 0
+        seen = False
 
         @property
         def exitcode(self):
             code = super().exitcode
-            if code is None:
-                return None
-            self.reads += 1
-            return None if self.reads % 2 else code
+            if code is None or self.seen:
+                return code
+            self.seen = True
+            return None
 
     monkeypatch.setattr(elastic.multiprocessing, "get_context",
                         lambda method: types.SimpleNamespace(Process=SeenLate))

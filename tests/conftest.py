@@ -49,18 +49,38 @@ os.register_at_fork(after_in_child=gc.freeze)
 
 
 # Files whose tests each start their own processes and share nothing (no module fixture, no
-# cache): their tests go to the xdist workers one by one. Every other file runs whole on one
-# worker, its module fixtures built once (``--dist loadgroup`` in pyproject.toml).
+# cache): their tests go to the xdist workers one by one, these first (the longest among them
+# at the very first) so that no long test starts last. Every other file runs whole on one
+# worker, its module fixtures built once. (xdist's own ``loadgroup`` cannot say this under
+# pytest 9: it marks a group by rewriting ``item._nodeid``, which pytest 9 no longer reads, so
+# every test became a group of its own and module fixtures were built on both workers.)
 SPREAD = {"test_bench_short.py", "test_shipped_examples.py", "test_live_world.py",
           "test_live_failures.py", "test_live_buddy.py",
           "test_megatron_lm_control.py", "test_megatron_lm_recovery.py"}
+FIRST = "tests/test_bench_short.py::test_bench_short_run[goodput_bench]"  # about 5 minutes
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
+def _scope(nodeid: str) -> str:
+    """What one xdist worker runs together: the test itself in a SPREAD file, else its file."""
+    path = nodeid.split("::", 1)[0]
+    return nodeid if os.path.basename(path) in SPREAD else path
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without xdist
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return ByScope(config, log)
+
+
 def pytest_collection_modifyitems(items) -> None:
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(item.nodeid if name in SPREAD else name))
+    # Scopes are handed out in collection order (``--no-loadscope-reorder``): the SPREAD
+    # files' tests first, FIRST before them; a stable sort keeps every file's own order.
+    items.sort(key=lambda item: (item.nodeid != FIRST, item.path.name not in SPREAD))
 
 
 def pytest_sessionstart(session) -> None:

@@ -626,12 +626,15 @@ def cmd_switch(args: argparse.Namespace) -> int:
     # says it (read when torch loads, which this import does first).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from .ir.loader import spec_to_dict
-    from .runtime.megatron.requests import connect, post_request, wait_answer
 
     if not args.timeout > 0 or not args.connect_timeout > 0:
         raise DynatrainError("--timeout, --connect-timeout: must be seconds > 0")
     spec = load_spec(args.dst)
     Layout(spec)  # a layout that does not compile is refused here, not by the job
+    # torch comes only with what talks to the store (seconds to import): bad input is
+    # answered before it
+    from .runtime.megatron.requests import connect, post_request, wait_answer
+
     store = connect(args.store, args.connect_timeout)
     n = post_request(store, spec_to_dict(spec), source=f"dynatrain switch {args.dst}")
     got = wait_answer(store, n, args.timeout)
@@ -646,13 +649,14 @@ def cmd_notice(args: argparse.Namespace) -> int:
 
     from .ir.devices import parse_device_list
     from .ir.loader import spec_from_dict
-    from .runtime.megatron.requests import connect, post_notice, wait_answer
 
     if not args.timeout > 0 or not args.connect_timeout > 0:
         raise DynatrainError("--timeout, --connect-timeout: must be seconds > 0")
     if not (math.isfinite(args.deadline) and args.deadline > 0):
         raise DynatrainError(f"--deadline: the seconds until the devices go away must be a "
                              f"number > 0 (got {args.deadline!r})")
+    from .runtime.megatron.requests import connect, post_notice, wait_answer  # as cmd_switch
+
     store = connect(args.store, args.connect_timeout)
     if not store.check(["current"]):
         raise DynatrainError(f"--store {args.store}: no job posts its layout there (is the job "

@@ -68,6 +68,8 @@ def _scope(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without xdist
 def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadscope":  # another --dist given: xdist's own
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ByScope(LoadScopeScheduling):

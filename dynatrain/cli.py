@@ -622,8 +622,8 @@ def cmd_prove(args: argparse.Namespace) -> int:
 
 def cmd_switch(args: argparse.Namespace) -> int:
     """Ask a running job for a layout through its store; print its answer in one line."""
-    # c10d logs every failed connection attempt with a C++ stack trace: the one line below
-    # says it (read when torch loads, which this import does first).
+    # c10d logs every failed connection attempt with a C++ stack trace: the one line of
+    # ``connect`` says it (read when torch loads, with the store client's import below).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from .ir.loader import spec_to_dict
 

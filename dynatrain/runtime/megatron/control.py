@@ -52,7 +52,7 @@ from ...report.summary import grid
 from .job import MegatronJob, Notice, SwitchFailed, SwitchResult
 from .job import first_line as _first_line
 from .live import LiveSwitcher
-from .requests import answer
+from .requests import answer, read_request
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +153,7 @@ class LiveControl:
                 if refusal is not None:
                     answer(rdzv.store, n, "refused", f"refused: {refusal}")
                     return n, 0, 0
+                rdzv.post(f"taken/{n}", {"notice": notice})
                 return n, 1, ms_left
         # Requests answered already (e.g. before this process became rank 0) are passed over.
         while rdzv.count("requests") > self._handled and rdzv.has(f"answer/{self._handled + 1}"):
@@ -161,11 +162,11 @@ class LiveControl:
             return 0, 0, 0
         self._handled += 1
         n = self._handled
-        doc = rdzv.read(f"request/{n}")
-        if doc is None:  # numbered, not yet written: look again at the next boundary
-            self._handled -= 1
-            return 0, 0, 0
         try:
+            doc = read_request(rdzv.store, n)
+            if doc is None:  # numbered, not yet written: look again at the next boundary
+                self._handled -= 1
+                return 0, 0, 0
             refusal = self._refusal(doc)
             if refusal is None and "notice" in doc:
                 refusal = self._choose_for_notice(n, doc["notice"])
@@ -173,9 +174,12 @@ class LiveControl:
                     return 0, 0, 0
         except DynatrainError as err:
             refusal = _first_line(err)
+        except Exception as err:  # noqa: BLE001 — a request must never stop training
+            refusal = f"request: {type(err).__name__}: {_first_line(err)}"
         if refusal is not None:
             answer(rdzv.store, n, "refused", f"refused: {refusal}")
             return n, 0, 0
+        rdzv.post(f"taken/{n}", {"dst": doc["dst"]})
         return n, 1, 0
 
     @staticmethod
@@ -377,7 +381,7 @@ class LiveControl:
     def _take(self, n: int, ms_left: int) -> None:
         """Every process: prepare request ``n`` (a notice: the layout rank 0 chose for it)."""
         rdzv = self.sw.rendezvous
-        doc = rdzv.read(f"request/{n}")
+        doc = rdzv.read(f"taken/{n}")  # as rank 0 accepted it, whatever request/<n> says now
         if "notice" not in doc:
             self._set_pending(_Pending(spec_from_dict(doc["dst"]), None, n))
             self.sw.prepare(self.pending.spec)

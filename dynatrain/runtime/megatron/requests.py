@@ -14,6 +14,8 @@ The store is the one the job's ``Rendezvous`` uses (under torchrun the agent's T
 * ``notice/<n>``: ``{"dst": <spec document>, "predicted_s": <seconds or null>}``, the layout
   the job's rank 0 chose for notice ``n`` (the top of ``suggest`` on the devices that stay)
   and its predicted downtime; every process of the job prepares that one;
+* ``taken/<n>``: the request as rank 0 read and accepted it (every process of the job
+  prepares that copy, so a request rewritten meanwhile cannot make them disagree);
 * ``current``: ``{"spec": <spec document>}``, the layout the job runs now (its rank 0 posts
   it at start and after every switch): a request starts from it to keep the job's model;
 * ``answer/<n>``: what became of it, written once by the job's rank 0:
@@ -24,7 +26,9 @@ The store is the one the job's ``Rendezvous`` uses (under torchrun the agent's T
 Exit statuses (``ir.errors``): switched 0; refused 2 (a spec that does not parse, another model,
 a layout that does not fit the devices, a switch already under way: the job never started it);
 failed 4 (the switch started and was rolled back: the job trains on in its previous layout).
-A notice is refused when its deadline has passed by the time the job takes it up, when it names
+A request that is not a JSON object (not UTF-8, not JSON, NaN or Infinity, a key given twice,
+nested too deeply for the parser, over ``MAX_REQUEST_BYTES``) is refused in one line like any
+other. A notice is refused when its deadline has passed by the time the job takes it up, when it names
 a device that is not in the job (or every device), when no layout fits the rest, or when a
 switch is already under way; a notice that is met says whether the switch ended before the
 deadline. ``dynatrain switch --store HOST:PORT[/prefix] dst.yaml`` and ``dynatrain notice
@@ -43,6 +47,7 @@ import torch.distributed as dist
 from ...ir.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_OK, DynatrainError
 
 OUTCOME_EXIT = {"switched": EXIT_OK, "refused": EXIT_BAD_INPUT, "failed": EXIT_ABORTED}
+MAX_REQUEST_BYTES = 64 << 20  # a spec document naming 100k devices is about 2 MiB
 
 
 class StoreUnreachable(DynatrainError):
@@ -125,6 +130,50 @@ def wait_answer(store: dist.Store, n: int, timeout: float, poll: float = 0.1) ->
         time.sleep(poll)
     doc = json.loads(store.get(key))
     return Answer(n, str(doc["outcome"]), str(doc["line"]))
+
+
+def read_request(store: dist.Store, n: int) -> dict | None:
+    """Request ``n`` as posted (None: numbered, not written yet), parsed strictly.
+
+    Raises:
+        DynatrainError: one line naming what is wrong (the job refuses it, exit status 2).
+    """
+    key = f"request/{n}"
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    where = key
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise DynatrainError(f"{where}: {len(raw)} bytes, over the {MAX_REQUEST_BYTES} a "
+                             "request may hold")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DynatrainError(f"{where}: not UTF-8 (byte {err.start})") from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except DynatrainError as err:
+        raise DynatrainError(f"{where}: {err}") from None
+    except RecursionError:  # the parser recurses per level of nesting
+        raise DynatrainError(f"{where}: nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError
+        raise DynatrainError(f"{where}: not JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise DynatrainError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise DynatrainError(f"the key {k!r} is given twice")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> float:
+    raise DynatrainError(f"{name} is not a JSON number (expected a finite number)")
 
 
 def answer(store: dist.Store, n: int, outcome: str, line: str) -> None:

@@ -1,0 +1,103 @@
+"""Requests posted to a running job's store by a client that does not follow the protocol
+(``runtime.megatron.requests``): rank 0 refuses each in one line with exit status 2, and the job
+takes up the next good request as usual; every process prepares the request as rank 0 accepted
+it, even if ``request/<n>`` is rewritten afterwards. Without processes: a stand-in switcher on
+an in-memory store, rank 0's look at the store (``_look``) and every process's take-up
+(``_take``) called as ``LiveControl.due`` calls them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from dynatrain.ir.layout import Layout
+from dynatrain.ir.loader import load_spec, spec_to_dict
+from dynatrain.runtime.megatron.control import LiveControl
+from dynatrain.runtime.megatron.rendezvous import Rendezvous
+from dynatrain.runtime.megatron.requests import MAX_REQUEST_BYTES, wait_answer
+
+SPECS = Path(__file__).resolve().parents[1] / "specs" / "tiny-gpt"
+
+
+def _control() -> tuple[LiveControl, Rendezvous, list]:
+    spec = load_spec(SPECS / "tp2-dp2.yaml")
+    rdzv = Rendezvous(dist.HashStore(), "gloo", prefix="t")
+    prepared: list = []
+    sw = SimpleNamespace(rendezvous=rdzv, leader=True, active=True, spec=spec,
+                         layout=Layout(spec), group=None, prepare=prepared.append)
+    return LiveControl(sw, requests=True), rdzv, prepared
+
+
+def _post(rdzv: Rendezvous, raw: bytes) -> int:
+    n = int(rdzv.store.add("requests", 1))
+    rdzv.store.set(f"request/{n}", raw)
+    return n
+
+
+def _good() -> bytes:
+    dst = load_spec(SPECS / "pp2-dp2.yaml")
+    return json.dumps({"dst": spec_to_dict(dst, Layout(dst).devices)}).encode()
+
+
+HOSTILE = [
+    (b"\xff\xfe{}", "request/1: not UTF-8 (byte 0)"),
+    (b'{"dst": ', "request/1: not JSON ("),
+    (b"[" * 200_000, "request/1: nested too deeply"),
+    (b'"a layout"', "request/1: expected a JSON object, got str"),
+    (b"[1, 2]", "request/1: expected a JSON object, got list"),
+    (b"1e999", "request/1: expected a JSON object, got float"),
+    (b'{"dst": {}, "dst": {}}', "request/1: the key 'dst' is given twice"),
+    (b'{"notice": {"leaving": ["node0:gpu3"], "deadline_unix": NaN}}',
+     "request/1: NaN is not a JSON number (expected a finite number)"),
+    (b'{"notice": {"leaving": ["node0:gpu3"], "deadline_unix": -Infinity}}',
+     "request/1: -Infinity is not a JSON number"),
+    (b'{"notice": {"leaving": ["node0:gpu3"], "deadline_unix": 1e999}}',
+     "notice: expected {'leaving': [device names], 'deadline_unix': seconds since the "
+     "epoch, a finite number}"),
+    (b'{"notice": {"leaving": "node0:gpu3", "deadline_unix": 1}}',
+     "notice: expected {'leaving': [device names]"),
+    (b'{"notice": [1]}', "notice: expected {'leaving': [...], 'deadline_unix': ...}"),
+    (b'{"dst": 5}', "request: expected a document with a 'dst' layout spec"),
+    (b'{"dst": {"model": 5}}', ""),  # the spec's own one-line error
+    (b"", "request/1: not JSON ("),
+]
+
+
+@pytest.mark.parametrize("raw, says", HOSTILE, ids=[f"case{i}" for i in range(len(HOSTILE))])
+def test_a_request_that_breaks_the_protocol_is_refused_in_one_line(raw: bytes, says: str):
+    control, rdzv, prepared = _control()
+    n = _post(rdzv, raw)
+    assert control._look() == (n, 0, 0)  # answered, not taken
+    got = wait_answer(rdzv.store, n, timeout=1)
+    assert got.outcome == "refused" and got.exit_code == 2, got
+    assert got.line.startswith("refused: ") and says in got.line and "\n" not in got.line, got
+    assert "Traceback" not in got.line and not prepared
+    good = _post(rdzv, _good())  # the job takes the next request up as usual
+    assert control._look() == (good, 1, 0)
+
+
+def test_a_request_over_the_size_limit_is_refused_unread(monkeypatch):
+    monkeypatch.setattr("dynatrain.runtime.megatron.requests.MAX_REQUEST_BYTES", 1000)
+    control, rdzv, _ = _control()
+    n = _post(rdzv, b'{"dst": "' + b"x" * 2000 + b'"}')
+    control._look()
+    got = wait_answer(rdzv.store, n, timeout=1)
+    assert got.exit_code == 2 and "request/1: 2011 bytes, over the 1000" in got.line, got
+    assert MAX_REQUEST_BYTES >= 16 << 20  # room for a spec naming 100k devices
+
+
+def test_every_process_prepares_the_request_as_rank_0_accepted_it():
+    control, rdzv, prepared = _control()
+    n = _post(rdzv, _good())
+    assert control._look() == (n, 1, 0)
+    rdzv.store.set(f"request/{n}", b"rewritten after rank 0 took it up")
+    control._take(n, 0)  # every process, after rank 0's broadcast
+    dst = load_spec(SPECS / "pp2-dp2.yaml")
+    assert [spec_to_dict(s, Layout(s).devices) for s in prepared] == [
+        spec_to_dict(dst, Layout(dst).devices)]
+    assert control.pending is not None and control.pending.request == n

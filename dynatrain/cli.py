@@ -655,13 +655,18 @@ def cmd_notice(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.deadline) and args.deadline > 0):
         raise DynatrainError(f"--deadline: the seconds until the devices go away must be a "
                              f"number > 0 (got {args.deadline!r})")
-    from .runtime.megatron.requests import connect, post_notice, wait_answer  # as cmd_switch
+    from .runtime.megatron.requests import (  # as cmd_switch
+        connect, parse_document, post_notice, wait_answer)
 
     store = connect(args.store, args.connect_timeout)
     if not store.check(["current"]):
         raise DynatrainError(f"--store {args.store}: no job posts its layout there (is the job "
                              "running with LiveControl, under this prefix?)")
-    world = spec_from_dict(json.loads(store.get("current"))["spec"]).world
+    current = parse_document(store.get("current"), f"--store {args.store}: current")
+    if not isinstance(current.get("spec"), dict):
+        raise DynatrainError(f"--store {args.store}: current: expected {{'spec': the job's "
+                             "layout spec}} (is a job of this version posting there?)")
+    world = spec_from_dict(current["spec"]).world
     leaving = parse_device_list(args.leaving, "--leaving", gpus_per_node=world.gpus_per_node,
                                 listed=world.devices)
     n = post_notice(store, leaving, args.deadline, source=f"dynatrain notice {args.leaving}")

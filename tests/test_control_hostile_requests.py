@@ -3,7 +3,9 @@
 takes up the next good request as usual; every process prepares the request as rank 0 accepted
 it, even if ``request/<n>`` is rewritten afterwards. Without processes: a stand-in switcher on
 an in-memory store, rank 0's look at the store (``_look``) and every process's take-up
-(``_take``) called as ``LiveControl.due`` calls them.
+(``_take``) called as ``LiveControl.due`` calls them. The clients (``dynatrain switch``,
+``dynatrain notice``) likewise refuse what they read from the store if no job of this version
+wrote it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from dynatrain import cli
+from dynatrain.ir.errors import DynatrainError
 from dynatrain.ir.layout import Layout
 from dynatrain.ir.loader import load_spec, spec_to_dict
 from dynatrain.runtime.megatron.control import LiveControl
@@ -101,3 +105,32 @@ def test_every_process_prepares_the_request_as_rank_0_accepted_it():
     assert [spec_to_dict(s, Layout(s).devices) for s in prepared] == [
         spec_to_dict(dst, Layout(dst).devices)]
     assert control.pending is not None and control.pending.request == n
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"not json", "request 1: the answer cannot be read (answer/1: not JSON ("),
+    (b'{"outcome": "won", "line": "?"}', "answer/1: expected {'outcome': one of switched, "),
+    (b'{"outcome": "switched"}', "answer/1: expected {'outcome'"),
+])
+def test_a_client_refuses_an_answer_that_is_not_the_jobs(raw: bytes, says: str) -> None:
+    store = dist.HashStore()
+    store.set("answer/1", raw)
+    with pytest.raises(DynatrainError) as err:
+        wait_answer(store, 1, timeout=1)
+    assert says in str(err.value) and "\n" not in str(err.value), err.value
+    assert err.value.exit_code == 4  # what became of the request is unknown
+
+
+def test_the_notice_command_refuses_a_store_whose_current_layout_is_not_a_jobs(capsys) -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{server.port}/job"
+    job = dist.PrefixStore("job/", server)  # as the client sees the store (``connect``)
+    for raw, says in [(b"\x80", "current: not UTF-8 (byte 0)"),
+                      (b'{"spec": 1}', "current: expected {'spec': the job's layout spec}")]:
+        job.set("current", raw)
+        code = cli.main(["notice", "--leaving", "node0:gpu3", "--deadline", "30", "--store",
+                         address, "--timeout", "1"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and says in err, err
+        assert err.startswith(f"dynatrain: error: --store {address}: "), err
+    assert not job.check(["requests"])  # nothing posted

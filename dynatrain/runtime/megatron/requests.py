@@ -128,8 +128,16 @@ def wait_answer(store: dist.Store, n: int, timeout: float, poll: float = 0.1) ->
             err.exit_code = EXIT_ABORTED
             raise err
         time.sleep(poll)
-    doc = json.loads(store.get(key))
-    return Answer(n, str(doc["outcome"]), str(doc["line"]))
+    try:
+        doc = parse_document(store.get(key), key)
+        if doc.get("outcome") not in OUTCOME_EXIT or not isinstance(doc.get("line"), str):
+            raise DynatrainError(f"{key}: expected {{'outcome': one of "
+                                 f"{', '.join(OUTCOME_EXIT)}, 'line': text}}")
+    except DynatrainError as err:  # not the job's answer: what became of the request is unknown
+        err = DynatrainError(f"request {n}: the answer cannot be read ({err})")
+        err.exit_code = EXIT_ABORTED
+        raise err from None
+    return Answer(n, doc["outcome"], doc["line"])
 
 
 def read_request(store: dist.Store, n: int) -> dict | None:
@@ -139,27 +147,33 @@ def read_request(store: dist.Store, n: int) -> dict | None:
         DynatrainError: one line naming what is wrong (the job refuses it, exit status 2).
     """
     key = f"request/{n}"
-    if not store.check([key]):
-        return None
-    raw = store.get(key)
-    where = key
+    return parse_document(store.get(key), key) if store.check([key]) else None
+
+
+def parse_document(raw: bytes, key: str) -> dict:
+    """The JSON object stored under ``key``, parsed strictly (what a client wrote is not
+    trusted: UTF-8, standard JSON, no key twice, at most ``MAX_REQUEST_BYTES``).
+
+    Raises:
+        DynatrainError: one line starting with ``key``, saying what is wrong (exit status 2).
+    """
     if len(raw) > MAX_REQUEST_BYTES:
-        raise DynatrainError(f"{where}: {len(raw)} bytes, over the {MAX_REQUEST_BYTES} a "
+        raise DynatrainError(f"{key}: {len(raw)} bytes, over the {MAX_REQUEST_BYTES} a "
                              "request may hold")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DynatrainError(f"{where}: not UTF-8 (byte {err.start})") from None
+        raise DynatrainError(f"{key}: not UTF-8 (byte {err.start})") from None
     try:
         doc = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
     except DynatrainError as err:
-        raise DynatrainError(f"{where}: {err}") from None
+        raise DynatrainError(f"{key}: {err}") from None
     except RecursionError:  # the parser recurses per level of nesting
-        raise DynatrainError(f"{where}: nested too deeply") from None
+        raise DynatrainError(f"{key}: nested too deeply") from None
     except ValueError as err:  # JSONDecodeError
-        raise DynatrainError(f"{where}: not JSON ({err})") from None
+        raise DynatrainError(f"{key}: not JSON ({err})") from None
     if not isinstance(doc, dict):
-        raise DynatrainError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+        raise DynatrainError(f"{key}: expected a JSON object, got {type(doc).__name__}")
     return doc
 
 

@@ -55,7 +55,7 @@ HOSTILE = [
     (b'"a layout"', "request/1: expected a JSON object, got str"),
     (b"[1, 2]", "request/1: expected a JSON object, got list"),
     (b"1e999", "request/1: expected a JSON object, got float"),
-    (b'{"dst": {}, "dst": {}}', "request/1: the key 'dst' is given twice"),
+    (b'{"dst": {}, "dst": {}}', "request/1: duplicate key 'dst': each key may appear once"),
     (b'{"notice": {"leaving": ["node0:gpu3"], "deadline_unix": NaN}}',
      "request/1: NaN is not a JSON number (expected a finite number)"),
     (b'{"notice": {"leaving": ["node0:gpu3"], "deadline_unix": -Infinity}}',

@@ -75,9 +75,17 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def json_loads(data: str | bytes) -> Any:
-    """``json.loads`` that refuses an object naming a key twice (``DuplicateKeyError``)."""
+def json_loads(data: str | bytes, *, finite: bool = False) -> Any:
+    """``json.loads`` that refuses an object naming a key twice (``DuplicateKeyError``);
+    with ``finite``, also ``NaN`` and ``Infinity``, which Python writes but JSON has not
+    (``DynatrainError``)."""
+    if finite:
+        return json.loads(data, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     return json.loads(data, object_pairs_hook=_no_duplicates)
+
+
+def _no_constant(name: str) -> float:
+    raise DynatrainError(f"{name} is not a JSON number (expected a finite number)")
 
 
 def json_load(f) -> Any:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ...ir.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_OK, DynatrainError
+from ...ir.strict import json_loads
 
 OUTCOME_EXIT = {"switched": EXIT_OK, "refused": EXIT_BAD_INPUT, "failed": EXIT_ABORTED}
 MAX_REQUEST_BYTES = 64 << 20  # a spec document naming 100k devices is about 2 MiB
@@ -165,7 +166,7 @@ def parse_document(raw: bytes, key: str) -> dict:
     except UnicodeDecodeError as err:
         raise DynatrainError(f"{key}: not UTF-8 (byte {err.start})") from None
     try:
-        doc = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        doc = json_loads(text, finite=True)
     except DynatrainError as err:
         raise DynatrainError(f"{key}: {err}") from None
     except RecursionError:  # the parser recurses per level of nesting
@@ -175,19 +176,6 @@ def parse_document(raw: bytes, key: str) -> dict:
     if not isinstance(doc, dict):
         raise DynatrainError(f"{key}: expected a JSON object, got {type(doc).__name__}")
     return doc
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise DynatrainError(f"the key {k!r} is given twice")
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> float:
-    raise DynatrainError(f"{name} is not a JSON number (expected a finite number)")
 
 
 def answer(store: dist.Store, n: int, outcome: str, line: str) -> None:

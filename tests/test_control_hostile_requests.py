@@ -134,3 +134,51 @@ def test_the_notice_command_refuses_a_store_whose_current_layout_is_not_a_jobs(c
         assert code == 2 and err.count("\n") == 1 and says in err, err
         assert err.startswith(f"dynatrain: error: --store {address}: "), err
     assert not job.check(["requests"])  # nothing posted
+
+
+class _Counting:
+    """A store that counts the keys looked up per request (``check``)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.checks = store, []
+
+    def check(self, keys: list[str]) -> bool:
+        self.checks.append(len(keys))
+        return self.store.check(keys)
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
+def test_a_layout_naming_a_million_devices_is_refused_after_a_few_store_requests() -> None:
+    # Rank 0 looks the devices outside the job up as spares while every process waits for it
+    # at the boundary: a batch per request, one by one only up to the first five missing.
+    control, rdzv, _ = _control()
+    rdzv.store = _Counting(rdzv.store)
+    dst = load_spec(SPECS / "tp2-dp2.yaml")
+    doc = spec_to_dict(dst, Layout(dst).devices)
+    doc["world"] = {"nodes": 131_072, "gpus_per_node": 8}
+    for d in ("node7:gpu1", "node9:gpu0"):  # two of them wait as spares
+        rdzv.store.set(f"spare/{d}", b"{}")
+    n = _post(rdzv, json.dumps({"dst": doc}).encode())
+    rdzv.store.checks.clear()
+    control._look()
+    got = wait_answer(rdzv.store, n, timeout=1)
+    assert got.exit_code == 2 and got.line == (
+        "refused: world: the layout needs 1048576 devices; node0:gpu4, node0:gpu5, node0:gpu6, "
+        "node0:gpu7 and more neither run(s) a rank of the job nor wait(s) as a spare"), got
+    assert max(rdzv.store.checks) <= 4096 and len(rdzv.store.checks) < 20, rdzv.store.checks
+
+
+def test_every_key_of_a_world_over_the_tcpstore_limit_is_checked_without_losing_the_store():
+    # TCPStore's server drops a client that checks over 131072 keys in one request: a world
+    # that large is looked up in batches, and the store still answers afterwards.
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    rdzv = Rendezvous(dist.TCPStore("127.0.0.1", server.port, is_master=False), "gloo",
+                      prefix="w")
+    keys = [f"ready/node{i // 8}:gpu{i % 8}" for i in range(140_000)]
+    for i in range(0, len(keys), 65_536):  # (the server's limit holds for multi_set too)
+        rdzv.store.multi_set(keys[i:i + 65_536], [b"1"] * len(keys[i:i + 65_536]))
+    assert rdzv.has_all(keys) and not rdzv.has_all(keys + ["ready/node99999:gpu0"])
+    rdzv.post("after", {"ok": True})
+    assert rdzv.read("after") == {"ok": True}

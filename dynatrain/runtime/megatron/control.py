@@ -52,6 +52,7 @@ from ...report.summary import grid
 from .job import MegatronJob, Notice, SwitchFailed, SwitchResult
 from .job import first_line as _first_line
 from .live import LiveSwitcher
+from .rendezvous import CHECK_KEYS
 from .requests import answer, read_request
 
 
@@ -261,9 +262,20 @@ class LiveControl:
         dst = Layout(spec_from_dict(doc["dst"]))
         here = set(self.sw.layout.devices)
         rdzv = self.sw.rendezvous
-        missing = [d for d in dst.devices if d not in here and not rdzv.has(f"spare/{d}")]
+        missing: list[str] = []
+        outside = [d for d in dst.devices if d not in here]
+        # A look at the store per CHECK_KEYS devices outside the job, one by one only in a
+        # batch where some are not spares, up to the first five such: a layout may name a
+        # million devices, and the job waits for rank 0 at this boundary.
+        for i in range(0, len(outside), CHECK_KEYS):
+            batch = outside[i:i + CHECK_KEYS]
+            if len(missing) > 4 or rdzv.has_all([f"spare/{d}" for d in batch]):
+                continue
+            for d in batch:
+                if len(missing) <= 4 and not rdzv.has(f"spare/{d}"):
+                    missing.append(d)
         if missing:
-            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            more = " and more" if len(missing) > 4 else ""
             return (f"world: the layout needs {len(dst.devices)} devices; "
                     f"{', '.join(missing[:4])}{more} neither run(s) a rank of the job nor wait(s) "
                     "as a spare")

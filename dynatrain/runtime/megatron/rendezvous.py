@@ -41,6 +41,7 @@ from ...ir.errors import EXIT_ABORTED, DynatrainError
 
 log = logging.getLogger("dynatrain.runtime")
 LOG_EVERY = 5.0  # seconds between two "still waiting for ..." lines of one wait
+CHECK_KEYS = 4096  # keys looked up in one store request (see Rendezvous.has_all)
 
 
 def release_in_background(groups: list) -> None:
@@ -183,6 +184,12 @@ class Rendezvous:
     def has(self, key: str) -> bool:
         return self.store.check([key])
 
+    def has_all(self, keys: Sequence[str]) -> bool:
+        """Whether every key of ``keys`` exists: one store request per ``CHECK_KEYS`` keys
+        (TCPStore's server drops a client that checks over 131072 keys in one request)."""
+        return all(self.store.check(list(keys[i:i + CHECK_KEYS]))
+                   for i in range(0, len(keys), CHECK_KEYS))
+
     def read(self, key: str) -> dict | None:
         """The document under ``key``, or None if there is none yet (does not wait)."""
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
@@ -225,7 +232,7 @@ class Rendezvous:
         deadline = time.monotonic() + timeout
         waiting = _Waiting(what, timeout)
         pause = 0.001
-        while not self.store.check(list(keys)):  # one request for all; names only when needed
+        while not self.has_all(keys):  # few requests for all; names only when needed
             now = time.monotonic()
             if now > deadline or waiting.due(now) or dead is not None:
                 missing = [d for k, d in zip(keys, devices) if not self.store.check([k])]
@@ -256,8 +263,11 @@ class Rendezvous:
         deadline = time.monotonic() + timeout
         waiting = _Waiting(f"roll call {name!r}", timeout)
         pause = 0.001
+        every = list(keys.values())
         while True:
-            missing = [d for d in devices if not self.store.check([keys[d]])]
+            # a few requests while some are missing; one per device only to name them
+            missing = ([] if self.has_all(every) else
+                       [d for d in devices if not self.store.check([keys[d]])])
             if not missing or time.monotonic() > deadline:
                 return tuple(missing)
             if dead is not None and set(missing) <= set(dead()):

@@ -397,19 +397,32 @@ class LiveSwitcher:
         if self.spec is None or self.layout is None:
             raise DynatrainError(f"{self.device} runs no rank: a notice goes to the job's "
                                  "processes")
+        if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
+            raise DynatrainError(f"notice: deadline_s: expected the seconds left, a number "
+                                 f"(got {type(deadline_s).__name__})")
         if not deadline_s > 0:  # NaN too
             raise DynatrainError(f"notice: deadline_s: the deadline has already passed "
                                  f"(got {deadline_s!r} s; give the seconds left, > 0)")
+        if isinstance(leaving, (str, bytes)):  # not its characters
+            raise DynatrainError(f"notice: leaving: expected device names, a list (got the "
+                                 f"string {leaving!r})")
         deadline = time.monotonic() + float(deadline_s)
-        gone = tuple(dict.fromkeys(leaving))
-        unknown = [d for d in gone if d not in self.layout.devices]
+        names = list(leaving)
+        odd = next((d for d in names if not isinstance(d, str)), None)
+        if odd is not None:
+            raise DynatrainError(f"notice: leaving: device names are strings like "
+                                 f"'node3:gpu5' (got {odd!r})")
+        gone = tuple(dict.fromkeys(names))
+        here = set(self.layout.devices)  # sets: a notice may name thousands of a job's devices
+        unknown = [d for d in gone if d not in here]
         if unknown:
             raise DynatrainError(f"notice: leaving: {unknown[0]} is not a device of the job "
                                  f"({len(self.layout.devices)} devices: "
                                  f"{self.layout.devices[0]} ...)")
         if not gone:
             raise DynatrainError("notice: leaving: no device named")
-        stay = [d for d in self.layout.devices if d not in gone]
+        leave = set(gone)
+        stay = [d for d in self.layout.devices if d not in leave]
         if not stay:
             raise DynatrainError("notice: leaving: every device of the job leaves; nothing "
                                  "can train on (checkpoint before the deadline instead)")

@@ -24,7 +24,7 @@ from .ir.errors import DynatrainError
 from .ir.layout import Layout
 from .ir.loader import load_spec, spec_from_dict, spec_to_dict
 from .ir.spec import LayoutSpec
-from .ir.strict import DuplicateKeyError, json_loads
+from .ir.strict import DuplicateKeyError, json_loads, read_bounded
 from .ir.units import parse_bytes
 from .planner.cost import Topology, load_topology, predicted_downtime
 from .planner.pipeline import plan_transition
@@ -192,8 +192,7 @@ def load_plan(path: str | os.PathLike[str], *, src: Any = None, dst: Any = None,
     """
     name = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_PLAN_BYTES + 1)
+        data = read_bounded(path, MAX_PLAN_BYTES)
     except OSError as err:
         raise DynatrainError(f"{name}: cannot read ({err.strerror or err})") from None
     if len(data) > MAX_PLAN_BYTES:

@@ -59,7 +59,7 @@ def _write_lines(path: str, lines: Iterable[str], option: str) -> None:
 
 def _check_outputs(args: argparse.Namespace, *options: str) -> bool:
     """Refuse, before any work, output options that cannot all be written: two of them on
-    stdout (``-``), or a path in no existing directory. True when one of them takes stdout
+    stdout (``-``) or on one file, or a path in no existing directory. True when one of them takes stdout
     (the command then prints that output alone, not its summary)."""
     given = [(o, getattr(args, o.lstrip("-").replace("-", "_"))) for o in options]
     given = [(o, v) for o, v in given if v is not None]
@@ -67,9 +67,14 @@ def _check_outputs(args: argparse.Namespace, *options: str) -> bool:
     if len(on_stdout) > 1:
         raise DynatrainError(f"{on_stdout[1]}: only one output can go to stdout ('-'); "
                              f"{on_stdout[0]} already does")
+    files: dict[str, str] = {}  # the same file twice: the second output would replace the first
     for option, path in given:
         if path == STDOUT:
             continue
+        same = files.setdefault(os.path.realpath(path), option) if path else option
+        if same != option:
+            raise DynatrainError(f"{option}: {path!r} is the file {same} writes already; give "
+                                 "each output a file of its own")
         if not path or os.path.isdir(path):
             raise DynatrainError(f"{option}: cannot write {path!r} (it is a directory)"
                                  if path else f"{option}: expected a file name or '-'")

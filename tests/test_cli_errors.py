@@ -7,6 +7,7 @@ in a subprocess, so what a user's terminal shows (stderr, exit status) is checke
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,44 @@ def test_yaml_tags_are_refused_by_name(tmp_path, capsys, text, line):
     got = assert_one_error_line(*run_main(["layout", str(path)], capsys))
     assert got == "dynatrain: error: " + line
     assert "not valid YAML" not in got
+
+
+def test_a_named_pipe_nobody_writes_is_read_as_empty_not_waited_on(tmp_path):
+    # Opening a FIFO for reading blocks until a writer comes: every input is opened without
+    # blocking (``ir.strict.read_bounded``), so an unwritten pipe reads as empty. (In a
+    # subprocess: a regression hangs, and the subprocess's timeout fails the test.)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    tiny = str(ROOT / "specs" / "tiny-gpt" / "tp2-dp2.yaml")
+    for argv, fragment in [(["layout", str(fifo)], "fifo: a spec must be a mapping"),
+                           (["verify", str(fifo)], f"{fifo}: not JSON"),
+                           (["plan", tiny, tiny, "--topology", str(fifo)], "--topology: ")]:
+        assert_one_error_line(*run_process(argv), fragment)
+
+
+def test_a_pipe_with_a_writer_is_read_as_a_file() -> None:
+    # ``dynatrain layout <(cat spec.yaml)``: the shell's pipe, with its writer, reads as usual.
+    spec = (ROOT / "specs" / "tiny-gpt" / "tp2-dp2.yaml").read_bytes()
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "dynatrain.cli", "layout", f"/dev/fd/{r}"],
+                            pass_fds=(r,), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT, text=True)
+    os.close(r)
+    os.write(w, spec)
+    os.close(w)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "tiny-gpt" in out, err
+
+
+def test_an_alias_bomb_in_a_topology_file_is_refused_at_once(tmp_path, capsys):
+    # A few hundred bytes of nested aliases name 9**9 strings: the refusal quotes a bounded
+    # repr of the value (the full one took minutes and gigabytes).
+    levels = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n"
+                     for p, c in zip("abcdefgh", "bcdefghi"))
+    (tmp_path / "bomb.yaml").write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" + levels
+                                        + "name: *i\n")
+    tiny = str(ROOT / "specs" / "tiny-gpt" / "tp2-dp2.yaml")
+    line = assert_one_error_line(*run_main(["plan", tiny, tiny, "--topology",
+                                            str(tmp_path / "bomb.yaml")], capsys),
+                                 "topology.name: ")
+    assert len(line) < 300, line

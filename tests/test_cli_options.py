@@ -87,6 +87,16 @@ def test_two_outputs_on_stdout_refused_before_planning(capsys):
     assert out == "" and time.perf_counter() - t0 < 5
 
 
+def test_two_outputs_on_one_file_refused_before_planning(tmp_path, capsys):
+    # The second would replace the first: the plan would be lost without a word.
+    (tmp_path / "d").mkdir()
+    same = str(tmp_path / "out")
+    code, out, err = run_main(["plan", BIG, BIG, "--json", same, "--text",
+                               str(tmp_path / "d" / ".." / "out")], capsys)
+    assert_one_error_line(code, out, err, "--text: ")
+    assert "is the file --json writes already" in err and not (tmp_path / "out").exists()
+
+
 def test_output_in_a_missing_directory_refused_before_planning(tmp_path, capsys):
     bad = str(tmp_path / "missing" / "plan.json")
     code, out, err = run_main(["plan", BIG, BIG, "--json", bad], capsys)

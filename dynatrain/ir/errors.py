@@ -16,6 +16,8 @@ Exit statuses, the same for every command:
 
 from __future__ import annotations
 
+import reprlib
+
 EXIT_OK = 0
 EXIT_VERIFY_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -52,5 +54,12 @@ class LayoutError(DynatrainError, ValueError):
 
 
 def _short(value: object, limit: int = 80) -> str:
-    text = repr(value)
+    # reprlib bounds the work too: the full repr of a YAML alias bomb (a few hundred bytes
+    # naming 9**9 strings) would take minutes and gigabytes before being cut
+    text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_REPR = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 80, 80, 80
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 8

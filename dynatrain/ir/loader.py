@@ -24,7 +24,7 @@ from .errors import SpecError
 from .presets import PRESETS
 from .rules import check_rules
 from .spec import LayoutSpec
-from .strict import DuplicateKeyError, StrictSafeLoader
+from .strict import DuplicateKeyError, StrictSafeLoader, read_bounded
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_MAPPING_ENTRIES = 1 << 16  # after merge keys; a real spec has a few dozen
@@ -47,10 +47,7 @@ def load_spec(source: str | os.PathLike[str]) -> LayoutSpec:
         raise SpecError("spec", "a spec path must be a string or a path", _kind(source)) from None
     where = _label(str(path))
     try:
-        # Read at most one byte past the limit: the size a stat reports means nothing for
-        # /dev/zero or a pipe, and reading those whole would never end.
-        with path.open("rb") as f:
-            data = f.read(MAX_SPEC_BYTES + 1)
+        data = read_bounded(path, MAX_SPEC_BYTES)  # /dev/zero, a pipe: never read whole
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
         raise SpecError(where, f"cannot read the spec file: {err.__class__.__name__}") from None
     if len(data) > MAX_SPEC_BYTES:

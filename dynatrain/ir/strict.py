@@ -1,4 +1,4 @@
-"""YAML and JSON readers that refuse a key given twice in one mapping.
+"""YAML and JSON readers that refuse a key given twice in one mapping, and a bounded file read.
 
 ``yaml.safe_load`` and ``json.loads`` keep the last of two equal keys without a word: a spec
 with two ``parallel:`` blocks would take its tp from the second, a plan with two
@@ -13,6 +13,8 @@ merged key is what merges are for. Only keys written in the mapping itself are c
 from __future__ import annotations
 
 import json
+import os
+import stat
 from typing import Any
 
 import yaml
@@ -91,3 +93,21 @@ def _no_constant(name: str) -> float:
 def json_load(f) -> Any:
     """``json.load`` that refuses duplicate keys (``DuplicateKeyError``)."""
     return json.load(f, object_pairs_hook=_no_duplicates)
+
+
+def read_bounded(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of file ``path``, at most ``limit + 1`` of them (more than ``limit``: the
+    caller refuses the file; a size ``stat`` reports means nothing for ``/dev/zero``).
+
+    Opened without blocking: opening a named pipe that no process writes blocks forever, and
+    opened so it reads as at its end instead (empty); a pipe with a writer (``<(cat f)``)
+    reads as usual.
+
+    Raises:
+        OSError: the file cannot be opened or read (a directory included).
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):  # read as a pipe reads: wait for the writer
+            os.set_blocking(fd, True)
+        return f.read(limit + 1)

@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..ir.errors import SpecError
-from ..ir.strict import DuplicateKeyError, safe_load
+from ..ir.strict import DuplicateKeyError, read_bounded, safe_load
 from ..ir.units import format_seconds
 from .plan import Message, Plan
 from .sources import node_of
@@ -119,8 +119,7 @@ def load_topology(source: str) -> Topology:
         return PRESETS[source]
     names = ", ".join(PRESETS)
     try:
-        with open(source, "rb") as f:  # bounded: /dev/zero or a pipe would never end
-            data = f.read(MAX_TOPOLOGY_BYTES + 1)
+        data = read_bounded(source, MAX_TOPOLOGY_BYTES)  # /dev/zero, a pipe: never whole
     except (OSError, ValueError):
         raise SpecError("--topology", f"must be {names} or a readable YAML file",
                         source) from None

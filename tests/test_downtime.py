@@ -196,3 +196,17 @@ def test_runtime_reports_fixed_parts_within_its_total():
                      + rep["check_seconds"] + rep["vote_seconds"])
         assert 0 < accounted <= rep["total_seconds"]
         assert rep["rounds"] == len(plan.rounds)
+
+
+@pytest.mark.parametrize("text, field, says", [
+    ("memory_GB: true\n", "memory_GB", "valid number (got True)"),  # not 1 GB
+    ("intra_node_GBps: '300'\n", "intra_node_GBps", "valid number (got '300')"),
+    ('name: "lab\\nb"\n', "name", "must be one line of printable text"),  # splits the summary
+    ('name: "lab\\tb"\n', "name", "must be one line of printable text"),
+])
+def test_topology_refuses_booleans_strings_for_numbers_and_control_characters(tmp_path, text,
+                                                                              field, says):
+    with pytest.raises(SpecError) as info:
+        load_topology(_topo_file(tmp_path, "bad.yaml", text))
+    msg = str(info.value)
+    assert msg.startswith(f"topology.{field}: ") and says in msg and "\n" not in msg, msg

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..ir.errors import SpecError
 from ..ir.strict import DuplicateKeyError, read_bounded, safe_load
@@ -61,7 +61,8 @@ class Topology(BaseModel):
             code paths).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # strict: YAML's true is not 1 GB, nor "3" three GB/s
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
     # Ranges: wide enough for any real link (1 MB/s to 1 PB/s, latency up to a second), narrow
     # enough that no figure printed from them runs to hundreds of digits.
     name: str = Field("h100-8xnvlink-8x400g", min_length=1, max_length=100)
@@ -80,6 +81,13 @@ class Topology(BaseModel):
     # GPU: the caching allocator's memory is mapped already; zeroing runs at copy speed.
     first_touch_GBps: float | None = Field(None, ge=MIN_GBPS, le=MAX_GBPS)
     allocate_fixed_s: float = Field(0.0, ge=0, le=3600)
+
+    @field_validator("name")
+    @classmethod
+    def _one_line(cls, v: str) -> str:
+        if any(ord(c) < 32 or ord(c) == 127 for c in v):  # a newline would split the summary
+            raise ValueError("must be one line of printable text (no control characters)")
+        return v
 
 
 H100 = Topology()
@@ -143,7 +151,7 @@ def load_topology(source: str) -> Topology:
     except ValidationError as err:
         e = err.errors(include_url=False)[0]
         field = "topology." + ".".join(map(str, e["loc"]))
-        raise SpecError(field, e["msg"], e.get("input")) from None
+        raise SpecError(field, e["msg"].removeprefix("Value error, "), e.get("input")) from None
 
 
 @dataclass(frozen=True, slots=True)

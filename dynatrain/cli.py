@@ -57,6 +57,12 @@ def _write_lines(path: str, lines: Iterable[str], option: str) -> None:
         raise DynatrainError(f"{option}: cannot write {path!r} ({err.strerror or err})") from None
 
 
+def _given(value: str | None, default: str) -> str:
+    """An option's value, or ``default`` where it was not given (an empty ``--budget=`` is
+    given, and refused as what it is, not taken for the default)."""
+    return default if value is None else value
+
+
 def _check_outputs(args: argparse.Namespace, *options: str) -> bool:
     """Refuse, before any work, output options that cannot all be written: two of them on
     stdout (``-``) or on one file, or a path in no existing directory. True when one of them takes stdout
@@ -270,6 +276,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     # Every check that needs no plan comes first: a refusal must not cost a planning.
     on_stdout = _check_outputs(args, "--json", "--text", "--heatmap", "--dot")
+    if args.allow_lost and args.failed is None:
+        raise DynatrainError("--allow-lost: goes with --failed (without a failed device "
+                             "nothing is lost)")
     if os.path.isdir(args.src):  # a megatron dist checkpoint as the source
         _checkpoint_options(args)
         return _plan_checkpoint_load(args, on_stdout)
@@ -290,9 +299,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner.lost import StateLost
 
     try:
-        switch = plan(args.src, args.dst, budget=parse_bytes(args.budget or DEFAULT_BUDGET,
+        switch = plan(args.src, args.dst, budget=parse_bytes(_given(args.budget, DEFAULT_BUDGET),
                                                              "--budget"),
-                      topology=args.topology or DEFAULT_TOPOLOGY, place=args.place or "naive",
+                      topology=_given(args.topology, DEFAULT_TOPOLOGY),
+                      place=_given(args.place, "naive"),
                       reserve=_reserve(args.reserve),
                       failed=_failed(args.failed, args.src), allow_lost=args.allow_lost)
     except StateLost as lost:  # name every tensor, kind and range no survivor holds; exit 3
@@ -387,8 +397,8 @@ def _plan_device(args: argparse.Namespace, on_stdout: bool) -> int:
     from .verify.slice import verify_slice
 
     _slice_options(args)
-    budget = parse_bytes(args.budget or DEFAULT_BUDGET, "--budget")
-    topology = load_topology(args.topology or DEFAULT_TOPOLOGY)
+    budget = parse_bytes(_given(args.budget, DEFAULT_BUDGET), "--budget")
+    topology = load_topology(_given(args.topology, DEFAULT_TOPOLOGY))
     src, dst = Layout(load_spec(args.src)), Layout(load_spec(args.dst))
     dev = args.device
     if dev not in src.devices and dev not in dst.devices:

@@ -223,3 +223,17 @@ def _help_of(cmd: str) -> list[tuple[str, str, str]]:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return [(cmd, a.option_strings[-1] if a.option_strings else a.dest, a.help or "")
             for a in sub.choices[cmd]._actions]
+
+
+@pytest.mark.parametrize("option, says", [("--budget=", "--budget: expected a size"),
+                                          ("--topology=", "--topology: must be h100")])
+def test_an_empty_option_value_is_refused_not_taken_for_the_default(option, says, capsys):
+    tiny = "specs/tiny-gpt/tp2-dp2.yaml"
+    code, out, err = run_main(["plan", tiny, "specs/tiny-gpt/pp2-dp2.yaml", option], capsys)
+    assert_one_error_line(code, out, err, says)
+
+
+def test_allow_lost_without_failed_is_refused(capsys):
+    code, out, err = run_main(["plan", "specs/tiny-gpt/tp2-dp2.yaml",
+                               "specs/tiny-gpt/pp2-dp2.yaml", "--allow-lost"], capsys)
+    assert_one_error_line(code, out, err, "--allow-lost: goes with --failed")

@@ -314,3 +314,12 @@ def test_text_is_a_table_best_first(llama_on_6):
     rows = lines[header + 1:]
     assert len(rows) == len(llama_on_6.ranked)
     assert rows[0].split()[:4] == ["1", *llama_on_6.ranked[0].grid.split()]
+
+
+def test_layouts_the_budget_cannot_plan_are_named_not_dropped_silently():
+    tiny = load_spec("specs/tiny-gpt/tp2-dp2.yaml")
+    out = suggest(tiny, Layout(tiny).devices, top=5, budget_bytes=1024)
+    assert len(out.ranked) == 1 and out.unplannable == 4  # the current layout moves nothing
+    note = next(n for n in out.notes if "could not be planned" in n)
+    assert note.startswith("4 of those 5 could not be planned, e.g. ") and "--budget" in note
+    assert note in out.to_text()

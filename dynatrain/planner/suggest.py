@@ -573,12 +573,14 @@ def suggest(src: LayoutSpec | Layout, devices: Sequence[str], *, reserve_bytes: 
     plan_kw, notes = _failure_options(failed_set)
     if failed_set:  # what the same failure would lose with DynaTrain's buddy copies
         notes += (cover(spec, src_fp.layout.devices, failed_set).line(),)
-    ranked, unplannable = [], 0
+    ranked, unplannable, why = [], 0, ""
     for estimate, grid, fp in fitting[:top]:
         try:
             plan = plan_transition(src_fp.layout, fp.layout, budget_bytes, topology, **plan_kw)
-        except DynatrainError:
+        except DynatrainError as err:
             unplannable += 1  # e.g. a budget too small for this switch
+            text = str(err.args[0]) if err.args else str(err)  # (a KeyError's str quotes it)
+            why = why or f"{grid}: {text.splitlines()[0] if text else type(err).__name__}"
             continue
         down = predicted_downtime(plan, topology)
         lost = plan.stats.get("lost")
@@ -587,6 +589,9 @@ def suggest(src: LayoutSpec | Layout, devices: Sequence[str], *, reserve_bytes: 
             down.wire_seconds, len(plan.rounds), fp.peak_bytes,
             int(lost["bytes"]) if lost is not None else (0 if "failed" in plan_kw else None)))
     ranked.sort(key=lambda s: (s.predicted_seconds, s.bytes_moved, s.grid))
+    if unplannable and ranked:  # (with none ranked, why_empty says so)
+        notes += (f"{unplannable} of those {len(fitting[:top])} could not be planned, e.g. "
+                  f"{why}",)
     if len(fitting) > top:
         notes += (f"{len(fitting) - top} more layouts fit; --top plans more of them",)
     return Suggestions(spec.name or "source", devices, tuple(ranked), considered, invalid, across,

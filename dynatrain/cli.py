@@ -329,7 +329,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         from .api import save_plan
 
-        save_plan(switch, sys.stdout if args.json == STDOUT else args.json)
+        try:
+            save_plan(switch, sys.stdout if args.json == STDOUT else args.json)
+        except DynatrainError as err:  # name the option, as every other output does
+            raise DynatrainError(f"--json: {err}") from None
     if args.heatmap:
         from .report.heatmap import write_heatmap
 

@@ -223,3 +223,11 @@ def test_command_into_a_closed_pipe_exits_quietly() -> None:
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 0, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_plan_json_that_cannot_be_written_names_the_option(capsys) -> None:
+    # /proc exists, so the early output check passes; the write itself fails
+    assert main(["plan", SRC, DST, "--json", "/proc/dynatrain-no-such-file"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dynatrain: error: --json: ") and "cannot write" in err, err
+    assert err.count("\n") == 1

@@ -110,6 +110,10 @@ def _parse_ranks(text: str | None, world: int) -> list[int]:
             raise DynatrainError(f"--ranks: {part!r}: the range is reversed; ranges run low-high "
                                  f"({b}-{a})")
         ranks.extend(range(a, b + 1))
+    if len(set(ranks)) != len(ranks):  # the JSON would list its facts twice
+        seen: set[int] = set()
+        twice = next(r for r in ranks if r in seen or seen.add(r))
+        raise DynatrainError(f"--ranks: rank {twice} is given twice; give each rank once")
     return ranks
 
 

@@ -101,6 +101,8 @@ def test_bad_spec_in_process(files, capsys, name, fragment):
     ("8", "'8': ranks must be below the world size 8 (0-7)"),
     ("99999999999", "ranks must be below the world size 8"),
     ("\u0663", "digits 0-9"),  # ARABIC-INDIC DIGIT THREE
+    ("0,0", "--ranks: rank 0 is given twice"),
+    ("1-4,3", "--ranks: rank 3 is given twice"),
 ])
 def test_bad_ranks_in_process(capsys, ranks, fragment):
     code, out, err = run_main(["layout", str(VALID), "--json", "-", f"--ranks={ranks}"], capsys)

@@ -528,6 +528,9 @@ def _available_memory() -> int | None:
 
 
 def cmd_run_plan(args: argparse.Namespace) -> int:
+    # gloo logs a failed connection from C++ on stderr, beside the one line the failed switch
+    # gets (read when torch loads, with runtime.local below)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from .ir.state import transition_views
     from .api import plan as plan_switch
     from .planner.cost import PRESETS, predicted_downtime

@@ -84,3 +84,17 @@ def test_a_wrong_destination_is_reported_not_bit_exact(capfd, monkeypatch) -> No
                                "--quiet"], capfd)
     assert code == 1, (out, err)
     assert "  bit-exact: no (" in out and "differs" in err
+
+
+def test_a_switch_that_times_out_is_one_line_and_exit_4() -> None:
+    # In a fresh process (torch reads its C++ log level when it loads): gloo's own connection
+    # errors stay off stderr, where the aborted switch's one line goes.
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "dynatrain.cli", "run-plan",
+                           str(TINY / "tp2-dp2.yaml"), str(TINY / "pp2-dp2.yaml"), "--quiet",
+                           "--timeout", "0.001"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("dynatrain: error: switch aborted: "), done.stderr

@@ -431,3 +431,16 @@ def test_statistics_may_be_small_records(tmp):
                                             "excludes": ["compute"], "topology": None}
     assert outcome(doc, tmp) == 0
     assert plan_from_json(doc).stats["predicted_downtime"]["excludes"] == ["compute"]
+
+
+def test_a_summary_edited_by_hand_is_recounted_from_the_plan_read() -> None:
+    src, dst = Layout(load_spec(SRC)), Layout(load_spec(DST))
+    plan = plan_transition(src, dst, 1 << 20)
+    doc = json.loads(json.dumps(plan_to_json(plan)))
+    counts = ("rounds", "budget_bytes", "messages", "transfers", "bytes_moved", "bytes_local")
+    for key in counts:
+        doc["summary"][key] = -1
+    doc["summary"]["rounds"] = "eight"
+    read = plan_from_json(doc)
+    assert {k: read.stats[k] for k in counts} == {k: plan.stats[k] for k in counts}
+    assert read.stats["predicted_seconds"] == plan.stats["predicted_seconds"]  # as recorded

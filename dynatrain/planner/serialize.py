@@ -272,7 +272,28 @@ def plan_from_json(doc: Any) -> Plan:
         read = tuple(reader.round(r, o, i) for i, (r, o) in enumerate(zip(rounds, orders)))
     plan = Plan(src_name, dst_name, src_devices, dst_devices, read, budget, derived)
     plan.stats.update(stats)
+    plan.stats.update(_recounted(plan, stats))
     return plan
+
+
+def _recounted(plan: Plan, stats: dict[str, Any]) -> dict[str, int]:
+    """The summary's counts that the plan read gives, recounted from it (where the summary
+    has them): a hand-edited summary must not tell a reader (``load_plan(...).stats``)
+    numbers the plan does not have, and an edited plan is judged by the verifier, not
+    refused for a summary it did not update."""
+    remote = local = messages = transfers = 0
+    for rnd in plan.rounds:
+        for m in rnd.messages:
+            transfers += len(m.transfers)
+            if m.local:
+                local += m.nbytes
+            else:
+                remote += m.nbytes
+                messages += 1
+    counted = {"rounds": len(plan.rounds), "budget_bytes": plan.budget_bytes,
+               "messages": messages, "transfers": transfers, "bytes_moved": remote,
+               "bytes_local": local}
+    return {k: v for k, v in counted.items() if k in stats}
 
 
 _KEYS = ("format", "src", "dst", "src_devices", "dst_devices", "budget_bytes", "derived",

@@ -237,3 +237,11 @@ def test_allow_lost_without_failed_is_refused(capsys):
     code, out, err = run_main(["plan", "specs/tiny-gpt/tp2-dp2.yaml",
                                "specs/tiny-gpt/pp2-dp2.yaml", "--allow-lost"], capsys)
     assert_one_error_line(code, out, err, "--allow-lost: goes with --failed")
+
+
+@pytest.mark.parametrize("text", ["1EiB", "2PB", "12x"])
+def test_an_unknown_unit_is_named_with_the_units_there_are(text):
+    with pytest.raises(DynatrainError) as err:
+        parse_bytes(text, "--budget")
+    msg = str(err.value)
+    assert msg.startswith("--budget: unknown unit ") and "G/GiB" in msg and "\n" not in msg

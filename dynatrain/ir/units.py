@@ -47,7 +47,11 @@ def parse_bytes(size: str | int, field: str = "--budget", *, allow_zero: bool = 
     t = size.strip().lower().replace(" ", "").replace("_", "")
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(num):]
-    if not _NUMBER.fullmatch(num) or unit not in _UNITS:
+    if _NUMBER.fullmatch(num) and unit not in _UNITS:
+        raise DynatrainError(f"{field}: unknown unit {size.strip()[len(num):][:12]!r}; units "
+                             f"are B, K/KiB, M/MiB, G/GiB, T/TiB, KB, MB, GB, TB, sizes below "
+                             f"1 EiB (got {size[:40]!r})")
+    if not _NUMBER.fullmatch(num):
         raise DynatrainError(f"{field}: expected a size like 2GiB or 512MiB, digits 0-9 "
                              f"(got {size[:40]!r})")
     value = float(num) * _UNITS[unit]

@@ -22,7 +22,6 @@ from .ir.errors import EXIT_BAD_INPUT, DynatrainError
 from .ir.facts import rank_facts
 from .ir.layout import Layout
 from .ir.loader import load_spec
-from .ir.strict import DuplicateKeyError, json_load
 from .ir.summary import bytes_by_kind, format_count, largest_tensors, logical_parameter_count
 from .ir.units import format_bytes, format_seconds, parse_bytes
 from .planner.cost import PRESETS as TOPOLOGY_PRESETS
@@ -224,27 +223,20 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_spec(args: argparse.Namespace) -> int:
-    from .ir.errors import SpecError
     from .ir.from_job import read_megatron
-    from .ir.hf_config import parse_assignments, read_hf_config, spec_from_hf_config
+    from .ir.hf_config import (parse_assignments, read_hf_config, read_json_object,
+                               spec_from_hf_config)
     from .ir.loader import spec_from_dict, spec_to_dict, spec_to_yaml_text
 
     _check_outputs(args, "--output")
     if (args.from_args is None) == (args.from_hf is None):
         raise DynatrainError("spec: give exactly one of --from-args ARGS.json or --from-hf "
                              "config.json")
-    path = args.from_args or args.from_hf
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json_load(f)
-    except DuplicateKeyError as err:
-        raise SpecError(path, str(err)) from None
-    except OSError as err:
-        raise DynatrainError(f"{path}: cannot read ({err.strerror or err})") from None
-    except (ValueError, RecursionError) as err:
-        raise SpecError(path, f"not JSON ({str(err).splitlines()[0][:80]})") from None
-    if not isinstance(doc, dict):
-        raise SpecError(path, "must be a JSON object of argument names")
+    if args.from_args and args.parallel:
+        raise DynatrainError("--parallel: not with --from-args (the arguments give the parallel "
+                             "sizes: tensor_model_parallel_size, ...)")
+    doc = read_json_object(args.from_args or args.from_hf,
+                           "argument names" if args.from_args else "config keys")
     if args.from_args:
         world = (parse_assignments(args.world, "--world") if args.world
                  else {"world_size": doc.get("world_size"), "gpus_per_node": 8})

@@ -245,3 +245,15 @@ def test_an_unknown_unit_is_named_with_the_units_there_are(text):
         parse_bytes(text, "--budget")
     msg = str(err.value)
     assert msg.startswith("--budget: unknown unit ") and "G/GiB" in msg and "\n" not in msg
+
+
+def test_spec_reads_a_bounded_file_and_refuses_parallel_with_args(tmp_path, capsys):
+    code, out, err = run_main(["spec", "--from-args", "/dev/zero", "--world",
+                               "nodes=1,gpus_per_node=4"], capsys)
+    assert_one_error_line(code, out, err, "/dev/zero: must be at most 16 MiB")
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                "padded_vocab_size": 1024, "vocab_size": 1000,
+                                "world_size": 8, "max_position_embeddings": 128}))
+    code, out, err = run_main(["spec", "--from-args", str(args), "--parallel", "tp=4"], capsys)
+    assert_one_error_line(code, out, err, "--parallel: not with --from-args")

@@ -628,6 +628,7 @@ def read_megatron(args_or_config: Any, world: Any, *, ddp_config: Any = None,
                                      else megatron_core)
     except ValueError as err:
         raise SpecError("megatron_core", str(err), _plain(megatron_core)) from None
+    _refuse_null_sizes(a, label)
     _refuse_unsupported(a, label)
     _refuse_version_specific(a, label, version)
     doc, origin, notes = _document(a, world, label, training=source == "args",
@@ -687,6 +688,16 @@ def _refuse_version_specific(a: dict[str, Any], label: Callable[[str], str],
                         "experts, biases and EP > 1 (its TE wrapper re-creates each expert bias "
                         "as a dense parameter, averaged across EP ranks that hold different "
                         "experts; 0.19 fixed it)", True)
+
+
+def _refuse_null_sizes(a: dict[str, Any], label: Callable[[str], str]) -> None:
+    """TP, PP, CP and EP have no None in Megatron-LM (validate_args multiplies and compares
+    them: MT19 arguments.py:422-427); only ETP's None has a meaning (ETP = TP, :569-570)."""
+    for short in ("tp", "pp", "cp", "ep"):
+        arg = _PARALLEL[short]
+        if a[arg] is None:
+            raise SpecError(label(arg), "must be a positive integer, not null (Megatron-LM's "
+                            "default is 1)")
 
 
 def _refuse_unsupported(a: dict[str, Any], label: Callable[[str], str]) -> None:

@@ -14,6 +14,7 @@ keep the spec's defaults.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ from typing import Any
 from .errors import SpecError
 from .loader import spec_from_dict
 from .spec import LayoutSpec
+from .strict import DuplicateKeyError, json_loads, read_bounded
+
+MAX_CONFIG_BYTES = 16 << 20  # a config.json or an args dump is a few KiB
 
 # architecture -> (model_type, MoE keys it uses or None for dense, qk norm)
 ARCHITECTURES: dict[str, tuple[str, str | None, bool]] = {
@@ -149,6 +153,35 @@ def spec_from_hf_config(config: Mapping[str, Any], parallel: Mapping[str, Any],
     return spec_from_dict(doc)
 
 
+def read_json_object(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
+    """The JSON object in file ``path``: a HuggingFace config.json or Megatron-LM's args dump
+    (``dynatrain spec --from-hf/--from-args``); ``what`` says what its keys are.
+
+    Read at most ``MAX_CONFIG_BYTES`` and without waiting on a pipe nobody writes
+    (``read_bounded``): ``/dev/zero`` or a FIFO is refused or read as empty, never read forever.
+
+    Raises:
+        SpecError: one line naming the file: unreadable, too large, not JSON, not an object.
+    """
+    name = os.fspath(path)
+    try:
+        data = read_bounded(path, MAX_CONFIG_BYTES)
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        raise SpecError(name, f"cannot read ({getattr(err, 'strerror', None) or err})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise SpecError(name, f"must be at most {MAX_CONFIG_BYTES >> 20} MiB (a config or "
+                        "argument dump is a few KiB)")
+    try:
+        doc = json_loads(data.decode("utf-8"))
+    except DuplicateKeyError as err:
+        raise SpecError(name, str(err)) from None
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise SpecError(name, f"not JSON ({str(err).splitlines()[0][:80]})") from None
+    if not isinstance(doc, dict):
+        raise SpecError(name, f"must be a JSON object of {what}", type(doc).__name__)
+    return doc
+
+
 def parse_assignments(text: str, field: str) -> dict[str, Any]:
     """``"tp=8,pp=4,overlap_grad_reduce=true"`` as a mapping (ints and booleans converted).
 
@@ -222,17 +255,26 @@ def _deepseek(config: Mapping[str, Any], model: dict[str, Any]) -> None:
 def _architecture(config: Mapping[str, Any]) -> str:
     archs = config.get("architectures")
     if archs is None:  # older configs: fall back on model_type
+        model_type = config.get("model_type")
+        if model_type is None:
+            raise SpecError("config.architectures", "is required (or model_type); known: "
+                            + ", ".join(ARCHITECTURES))
+        if not isinstance(model_type, str):  # a list or object is no dict key to look up
+            raise SpecError("config.model_type", "must be a string such as llama", model_type)
         by_type = {t: a for a, (t, _, _) in ARCHITECTURES.items()}
-        if config.get("model_type") in by_type:
-            return by_type[config["model_type"]]
-        archs = [config.get("model_type")]
-    if isinstance(archs, list) and len(archs) == 1 and archs[0] in REFUSED:
+        if model_type in by_type:
+            return by_type[model_type]
+        archs = [model_type]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise SpecError("config.architectures", "must be a list of class names such as "
+                        '["LlamaForCausalLM"]', archs)
+    if len(archs) == 1 and archs[0] in REFUSED:
         raise SpecError("config.architectures", f"{archs[0]} is not supported by DynaTrain: "
                         f"{REFUSED[archs[0]]}", archs)
-    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise SpecError("config.architectures", "is not supported by DynaTrain yet; known: "
-                        + ", ".join(ARCHITECTURES), archs if isinstance(archs, list) else archs)
-    return str(archs[0])
+                        + ", ".join(ARCHITECTURES), archs)
+    return archs[0]
 
 
 def _positive(config: Mapping[str, Any], key: str, default: int | None = None) -> int:

@@ -16,15 +16,27 @@ TP2·DP2 job's ``dist_checkpointing.save``); here its ``.metadata`` is edited:
 * **links out.** A chunk file, ``.metadata``, ``metadata.json`` or ``common.pt`` that is a link
   resolving outside the checkpoint directory is refused with one line naming it; links that
   stay inside, and a checkpoint directory that is itself a link, load as the real files do.
+* **fields of the wrong type.** A ``.metadata`` of allowed classes whose fields hold anything
+  (a size of None, a chunk's offsets ``'x'``, a storage entry without a length), a
+  ``metadata.json`` nested too deeply or naming its format by a list, an Adam step that is not
+  one whole number in [0, 2**63) (NaN, inf, 10**400, None, a two-element tensor), an optimizer
+  entry that is not a dict, Megatron-LM's counts that are not whole numbers: one line each.
+* **unbounded or blocking reads.** A metadata file over its cap is refused unread; a named
+  pipe in place of any file a load reads, even one swapped in after opening, is refused
+  without waiting for a writer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import pickle
 import shutil
+import signal
+import sys
+from argparse import Namespace
 
 import pytest
 import torch
@@ -35,10 +47,14 @@ from hypothesis import strategies as st
 from dynatrain.checkpoint import (CheckpointError, load_checkpoint, load_checkpoint_into,
                                   load_checkpoint_ranks, load_planned, open_checkpoint,
                                   plan_load)
-from dynatrain.checkpoint.format import Chunk
+from dynatrain.checkpoint import format as fmt
+from dynatrain.checkpoint import megatron_lm as mlm
+from dynatrain.checkpoint.format import Checkpoint, Chunk, read_chunk
+from dynatrain.checkpoint.load import read_step
 from dynatrain.cli import main
 from dynatrain.ir.box import Box
 from dynatrain.ir.errors import EXIT_BAD_INPUT
+from dynatrain.ir.units import format_bytes
 from dynatrain.planner.lost import LostEntry, LostState
 from matrix import to_spec_dict
 from megatron_support import live
@@ -371,3 +387,267 @@ def test_links_inside_and_a_linked_directory_load_as_the_files_do(source: dict, 
         for rank in want:
             assert all(live.bits_equal(got[rank][k], want[rank][k]) for k in want[rank])
     assert open_checkpoint(linked_dir).root == os.path.realpath(path)
+
+
+# ---- metadata fields of the wrong type -------------------------------------------------------
+
+
+def _fc1_storage(md):
+    """The storage index key of fc1's first chunk."""
+    return next(i for i in md.storage_data if i.fqn == FC1 and i.offset is not None)
+
+
+def _rekeyed(md, offset) -> None:
+    """fc1's first storage entry under an index whose offset is ``offset``."""
+    idx = _fc1_storage(md)
+    info = md.storage_data.pop(idx)
+    object.__setattr__(idx, "offset", offset)  # (a frozen dataclass: as a pickle sets it)
+    md.storage_data[idx] = info
+
+
+# Each: an edit of the genuine .metadata that keeps to the allowed classes but sets a field to a
+# value of the wrong type, and the words of the one line refusing it (which were a traceback).
+WRONG_FIELDS = {
+    "size-none": (lambda md: setattr(md.state_dict_metadata[FC1], "size", None),
+                  f".metadata entry {FC1}: size None is not a list of whole numbers"),
+    "size-str": (lambda md: setattr(md.state_dict_metadata[FC1], "size", ["abc"]),
+                 f".metadata entry {FC1}: size ['abc'] is not a list of whole numbers"),
+    "size-int-too-long-to-print": (  # repr of an int over 4300 digits raises ValueError
+        lambda md: setattr(md.state_dict_metadata[FC1], "size", [10**5000, 192, 64]),
+        f".metadata entry {FC1}: size <a list too large to show> is not a list"),
+    "chunks-none": (lambda md: setattr(md.state_dict_metadata[FC1], "chunks", None),
+                    f".metadata entry {FC1}: chunks None is not a list"),
+    "offsets-str": (lambda md: setattr(md.state_dict_metadata[FC1].chunks[0], "offsets", "x"),
+                    f".metadata entry {FC1}: chunks[0].offsets 'x' is not a list of whole "
+                    "numbers in [0, 2**63), 3 of them (the tensor's rank)"),
+    "sizes-of-another-rank": (
+        lambda md: setattr(md.state_dict_metadata[FC1].chunks[0], "sizes", torch.Size((1, 48))),
+        f".metadata entry {FC1}: chunks[0].sizes torch.Size([1, 48]) is not a list"),
+    "properties-none": (lambda md: setattr(md.state_dict_metadata[FC1], "properties", None),
+                        f".metadata entry {FC1}: properties.dtype None is not a torch dtype"),
+    "storage-offset-str": (lambda md: setattr(md.storage_data[_fc1_storage(md)], "offset", "x"),
+                           "storage offset 'x' and length"),
+    "storage-without-length": (lambda md: delattr(md.storage_data[_fc1_storage(md)], "length"),
+                               "and length None are not a byte range"),
+    "storage-transforms-int": (
+        lambda md: setattr(md.storage_data[_fc1_storage(md)], "transform_descriptors", 5),
+        f"{FC1}: chunk stored with transforms 5"),
+    "index-offset-str": (lambda md: _rekeyed(md, ("x",)),
+                         f".metadata entry {FC1} (storage index): offset ('x',) is not a list"),
+    "no-state-dict": (lambda md: delattr(md, "state_dict_metadata"),
+                      ".metadata has no state dict or storage index"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_FIELDS))
+def test_refuses_metadata_fields_of_the_wrong_type(source: dict, tmp_path,  # noqa: F811
+                                                   case: str) -> None:
+    edit, words = WRONG_FIELDS[case]
+    path = _copy(source, tmp_path)
+    md = _raw(path)
+    edit(md)
+    _write(path, md)
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(path)
+    msg = _one_line(info)
+    assert msg.startswith(f"checkpoint {path}: ") and words in msg, msg
+
+
+def test_cli_refuses_a_field_of_the_wrong_type_in_one_line(source: dict, tmp_path,  # noqa: F811
+                                                           capsys) -> None:
+    path = _copy(source, tmp_path)
+    md = _raw(path)
+    md.state_dict_metadata[FC1].size = None
+    _write(path, md)
+    dst = tmp_path / "dst.yaml"
+    dst.write_text(yaml.safe_dump(to_spec_dict(DSTS["tp1-dp4"])))
+    assert main(["load", path, str(dst)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{FC1}: size None is not a list" in err, err
+
+
+# ---- Adam's step and the optimizer entry of the common state ---------------------------------
+
+
+def _with_optimizer(path: str, optimizer) -> Checkpoint:
+    """The checkpoint at ``path`` with a common.pt whose optimizer entry is ``optimizer`` (read
+    first by megatron-core 0.16 and 0.19 alike), opened afresh."""
+    common = open_checkpoint(path).common()
+    torch.save(dict(common, optimizer=optimizer), os.path.join(path, "common.pt"))
+    return open_checkpoint(path)
+
+
+# Each: a step as a param group records it, and the words of the one line refusing it.
+BAD_STEPS = [
+    (float("nan"), "records Adam step nan: a step must be one whole number in [0, 2**63)"),
+    (float("inf"), "records Adam step inf: a step must be"),
+    (10**400, "records Adam step 1000"),
+    (2**63, "records Adam step 9223372036854775808: a step must be"),  # past int64
+    (None, "records Adam step None: a step must be"),
+    ("abc", "records Adam step 'abc': a step must be"),
+    (torch.tensor([1, 2]), "records an Adam step tensor of 2 elements, not one"),
+]
+
+
+@pytest.mark.parametrize("step, words", BAD_STEPS,
+                         ids=["nan", "inf", "10**400", "2**63", "none", "str", "tensor2"])
+def test_refuses_a_step_that_is_not_one_whole_number(source: dict, tmp_path,  # noqa: F811
+                                                     step, words: str) -> None:
+    ckpt = _with_optimizer(_copy(source, tmp_path), {"param_groups": [{"step": step}]})
+    with pytest.raises(CheckpointError) as info:
+        read_step(ckpt)
+    msg = _one_line(info)
+    assert msg.startswith(f"checkpoint {ckpt.path}: common.pt ") and words in msg, msg
+
+
+def test_refuses_an_optimizer_entry_that_is_not_a_dict(source: dict, tmp_path,  # noqa: F811
+                                                       capsys) -> None:
+    """It loaded silently, with step 0."""
+    ckpt = _with_optimizer(_copy(source, tmp_path), "abc")
+    with pytest.raises(CheckpointError) as info:
+        read_step(ckpt)
+    assert _one_line(info) == (f"checkpoint {ckpt.path}: common.pt's optimizer entry is a str, "
+                               "not a dict")
+    dst = tmp_path / "dst.yaml"
+    dst.write_text(yaml.safe_dump(to_spec_dict(DSTS["tp1-dp4"])))
+    assert main(["load", ckpt.path, str(dst)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "optimizer entry is a str, not a dict" in err, err
+
+
+def test_reads_steps_nested_deeply_or_in_a_list_holding_itself(source: dict,  # noqa: F811
+                                                               tmp_path) -> None:
+    """Both were a RecursionError; a step as a one-element tensor or a whole float is read."""
+    path = _copy(source, tmp_path)
+    deep: dict = {"step": 5}
+    for _ in range(3000):  # deeper than Python's recursion limit
+        deep = {"state": deep}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # (only to save it: unpickling it needs no recursion)
+    try:
+        ckpt = _with_optimizer(path, {"param_groups": [deep]})
+    finally:
+        sys.setrecursionlimit(limit)
+    assert read_step(ckpt) == 5
+    loop: list = [{"step": 6}]
+    loop.append(loop)
+    assert read_step(_with_optimizer(path, {"param_groups": loop})) == 6
+    assert read_step(_with_optimizer(path, {"param_groups": [{"step": torch.tensor(7.0)},
+                                                             {"step": 7.0}]})) == 7
+
+
+# ---- metadata.json that is not what it should be ---------------------------------------------
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[" * 100000 + "]" * 100000, "metadata.json is not JSON (nested too deeply)"),
+    ('{"sharded_backend": ["torch_dist"], "sharded_backend_version": 1}',
+     "format ['torch_dist'] version 1 is not one DynaTrain reads"),  # unhashable: was TypeError
+    ('{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
+     '"common_backend": "torch", "common_backend_version": {"v": 1}}',
+     "common format 'torch' version {'v': 1} is not one DynaTrain reads"),
+], ids=["nested", "format-list", "common-version-object"])
+def test_refuses_metadata_json_nested_too_deeply_or_unhashable(source: dict,  # noqa: F811
+                                                               tmp_path, text: str,
+                                                               words: str) -> None:
+    path = _copy(source, tmp_path)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        f.write(text)
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(path)
+    msg = _one_line(info)
+    assert msg.startswith(f"checkpoint {path}: {words}"), msg
+
+
+# ---- files too large to read whole, and files that are not files -----------------------------
+
+
+@pytest.mark.parametrize("name, cap", [(".metadata", fmt.MAX_METADATA_BYTES),
+                                       ("metadata.json", fmt.MAX_FORMAT_BYTES)])
+def test_refuses_metadata_over_its_cap_unread(source: dict, tmp_path, name: str,  # noqa: F811
+                                              cap: int) -> None:
+    """A sparse file one byte over the cap (nothing written to disk): refused by its size,
+    not read whole (an 8 GiB one was a MemoryError)."""
+    path = _copy(source, tmp_path)
+    os.truncate(os.path.join(path, name), cap + 1)
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(path)
+    assert _one_line(info) == (f"checkpoint {path}: {name} is {cap + 1} bytes, over the "
+                               f"{format_bytes(cap)} limit for that file (refused unread)")
+
+
+@contextlib.contextmanager
+def _within(seconds: int):
+    """Fail, instead of hanging the run, when the body blocks (opening a named pipe for reading
+    waits for a writer); SIGALRM interrupts the blocked open in this, the main, thread."""
+    def stop(*_) -> None:
+        raise TimeoutError(f"still blocked after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _fifo(path: str, name: str) -> None:
+    if os.path.exists(os.path.join(path, name)):
+        os.remove(os.path.join(path, name))
+    os.mkfifo(os.path.join(path, name))
+
+
+@pytest.mark.parametrize("name", ["metadata.json", ".metadata", "common.pt", "__0_0.distcp"])
+def test_refuses_a_named_pipe_without_opening_it(source: dict, tmp_path,  # noqa: F811
+                                                 name: str) -> None:
+    """Each file a load reads, a named pipe that no process writes: one line, no wait. (They
+    read as missing before; common.pt as a pipe is refused, not taken for absent.)"""
+    path = _copy(source, tmp_path)
+    _fifo(path, name)
+    with _within(60), pytest.raises(CheckpointError) as info:
+        load_checkpoint_ranks(path, _dst("tp1-dp4")[0])
+    msg = _one_line(info)
+    assert msg.startswith(f"checkpoint {path}: ") and msg.endswith(
+        f"{name} is a named pipe, not a regular file"), msg
+
+
+def test_a_chunk_file_swapped_for_a_named_pipe_after_opening_is_refused(  # noqa: F811
+        source: dict, tmp_path) -> None:
+    """Opened (and its size checked) first, then a pipe when its chunk is read: that read
+    blocked forever."""
+    path = _copy(source, tmp_path)
+    ckpt = open_checkpoint(path)
+    chunk = ckpt.tensors[FC1].chunks[0]
+    _fifo(path, chunk.file)
+    with _within(60), pytest.raises(CheckpointError) as info:
+        read_chunk(ckpt, FC1, chunk)
+    assert _one_line(info) == (f"checkpoint {path}: chunk file {chunk.file} is a named pipe, "
+                               "not a regular file")
+
+
+# ---- Megatron-LM's training state ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("common, words", [
+    ({"args": Namespace(consumed_train_samples="abc"), "iteration": 4},
+     "args.consumed_train_samples 'abc' in its common state is not a whole number >= 0"),
+    ({"args": Namespace(consumed_train_samples=None), "iteration": 4},
+     "args.consumed_train_samples None"),
+    ({"args": Namespace(consumed_train_samples=float("nan")), "iteration": 4},
+     "args.consumed_train_samples nan"),
+    ({"args": Namespace(consumed_train_samples=-32), "iteration": 4},
+     "args.consumed_train_samples -32"),
+    ({"args": Namespace(consumed_train_samples=32), "iteration": -1}, "iteration -1"),
+], ids=["str", "none", "nan", "negative", "iteration"])
+def test_train_state_refuses_counts_that_are_not_whole_numbers(monkeypatch, common: dict,
+                                                               words: str) -> None:
+    class Fake:
+        def common(self) -> dict:
+            return common
+
+    monkeypatch.setattr(mlm, "open_checkpoint", lambda path: Fake())
+    with pytest.raises(CheckpointError) as info:
+        mlm.train_state("ckpt")
+    msg = _one_line(info)
+    assert msg.startswith("checkpoint ckpt: ") and words in msg, msg

@@ -23,10 +23,14 @@
 
 ``open_checkpoint`` checks all of it before anything is read into a destination: a directory
 that is missing, of an unknown format version, whose metadata does not unpickle under the
-allow-list, whose chunks do not tile each tensor exactly (every element in exactly one chunk:
-``ir.tiling``, never a count of elements, where a duplicated chunk and a hole cancel out), or
-whose chunk files are missing or shorter than the metadata says (the ``common_state`` entry's
-file included) is refused with one ``CheckpointError`` line (exit status 2).
+allow-list, whose fields are not of their types (a size that is not a list of whole numbers,
+a storage entry without a length), whose chunks do not tile each tensor exactly (every element
+in exactly one chunk: ``ir.tiling``, never a count of elements, where a duplicated chunk and a
+hole cancel out), or whose chunk files are missing or shorter than the metadata says (the
+``common_state`` entry's file included) is refused with one ``CheckpointError`` line (exit
+status 2). Every file is checked to be a regular file before it is opened (opening a named pipe
+for reading waits for a writer forever), and a metadata file larger than its cap is refused
+unread.
 
 Links: the directory itself may be a link (it is resolved once, ``Checkpoint.root``), and so
 may its members, as long as they resolve inside it. A member that resolves outside (a chunk
@@ -40,14 +44,17 @@ import math
 import os
 import pickle
 import re
+import reprlib
+import stat
 from dataclasses import dataclass, field
 
 import torch
 
 from ..ir.box import Box
 from ..ir.errors import DynatrainError
-from ..ir.strict import DuplicateKeyError, json_load
+from ..ir.strict import DuplicateKeyError, json_loads
 from ..ir.tiling import Fault, tiling_fault
+from ..ir.units import format_bytes
 
 FORMATS = {("torch_dist", 1)}  # (sharded_backend, sharded_backend_version) read here
 COMMON_FORMATS = {("torch", 1)}  # (common_backend, common_backend_version): common.pt
@@ -78,6 +85,12 @@ _ALLOWED = {
     ("torch.serialization", "_get_layout"),  # str -> torch.layout (a lookup, nothing else)
 }
 _CHUNK_FILE = re.compile(r"^__[0-9]+_[0-9]+\.distcp$")
+# The most bytes read of a metadata file, checked before it is read (a sparse 8 GiB file would be
+# read whole). megatron writes a metadata.json of about 100 bytes. A .metadata takes some 120-250
+# bytes per chunk (its box, and its storage entry naming the key again): a 405B model's is tens
+# to hundreds of MB; 2 GiB holds some 10 million chunks (and unpickles to several times that).
+MAX_FORMAT_BYTES = 1 << 20
+MAX_METADATA_BYTES = 2 << 30
 
 
 class CheckpointError(DynatrainError, ValueError):
@@ -182,14 +195,61 @@ def member(path: str, root: str, name: str) -> str:
     return real
 
 
+def _open(path: str, full: str, name: str, missing: str, cap: int | None = None):
+    """Checkpoint file ``name`` (at ``full``, from ``member``) opened for reading in binary.
+
+    Raises:
+        CheckpointError: it is absent (the message ``missing``), not a regular file, or larger
+            than ``cap`` bytes.
+    """
+    # Checked before opening: opening a named pipe for reading waits for a writer, forever.
+    try:
+        st = os.stat(full)
+    except FileNotFoundError:
+        raise _fail(path, missing) from None
+    except OSError as err:
+        raise _fail(path, f"{name} cannot be read ({err.strerror})") from None
+    _regular(path, name, st, cap)
+    try:  # without blocking, checked again: it may have been swapped since (for a pipe)
+        f = os.fdopen(os.open(full, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb")
+    except OSError as err:
+        raise _fail(path, f"{name} cannot be read ({err.strerror})") from None
+    try:
+        _regular(path, name, os.fstat(f.fileno()), cap)
+    except CheckpointError:
+        f.close()
+        raise
+    return f
+
+
+def _regular(path: str, name: str, st: os.stat_result, cap: int | None) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode) else
+                "a named pipe" if stat.S_ISFIFO(st.st_mode) else "a device or socket")
+        raise _fail(path, f"{name} is {kind}, not a regular file")
+    if cap is not None and st.st_size > cap:
+        raise _fail(path, f"{name} is {st.st_size} bytes, over the {format_bytes(cap)} limit "
+                          "for that file (refused unread)")
+
+
+def _read_small(path: str, root: str, name: str, missing: str, cap: int) -> bytes:
+    """All the bytes of checkpoint file ``name``, which must be at most ``cap`` bytes."""
+    with _open(path, member(path, root, name), name, missing, cap) as f:
+        data = f.read(cap + 1)  # grown since the stat: still never read past the cap
+    if len(data) > cap:
+        raise _fail(path, f"{name} is over the {format_bytes(cap)} limit for that file")
+    return data
+
+
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read and check a torch_dist checkpoint's metadata (no tensor data is read).
 
     Raises:
         CheckpointError: the directory is missing, of an unknown format or version, its
-            metadata refuses to unpickle or is malformed, a tensor's chunks do not tile it
-            exactly, a file it names is a link out of the directory, or a chunk file is
-            missing or shorter than its chunks need.
+            metadata is over its size cap, refuses to unpickle or is malformed (a field of the
+            wrong type included), a tensor's chunks do not tile it exactly, a file it names is
+            a link out of the directory or not a regular file, or a chunk file is missing or
+            shorter than its chunks need.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -203,10 +263,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         blob = _common_state_entry(path, md)
         files[blob.file] = max(files.get(blob.file, 0), blob.offset + blob.length)
     for name, need in files.items():
-        full = member(path, root, name)
-        if not os.path.isfile(full):
-            raise _fail(path, f"chunk file {name} is missing")
-        size = os.path.getsize(full)
+        with _open(path, member(path, root, name), f"chunk file {name}",
+                   f"chunk file {name} is missing") as f:
+            size = os.fstat(f.fileno()).st_size
         if size < need:
             raise _fail(path, f"chunk file {name} is truncated: {size} bytes, its chunks need "
                               f"{need}")
@@ -216,41 +275,45 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 def _read_format(path: str, root: str) -> tuple[tuple[str, int], bool]:
     """(sharded format, whether the common state is ``common.pt``)."""
-    meta = member(path, root, "metadata.json")
-    if not os.path.isfile(meta):
-        raise _fail(path, "no metadata.json (not a megatron dist checkpoint)")
+    data = _read_small(path, root, "metadata.json",
+                       "no metadata.json (not a megatron dist checkpoint)", MAX_FORMAT_BYTES)
     try:
-        with open(meta, encoding="utf-8") as f:
-            doc = json_load(f)  # a key written twice is refused, not last-one-wins
+        doc = json_loads(data.decode("utf-8"))  # a key written twice is refused
     except DuplicateKeyError as err:
         raise _fail(path, f"metadata.json: {err}") from None
-    except (OSError, ValueError) as err:
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise _fail(path, "metadata.json is not JSON (nested too deeply)") from None
+    except ValueError as err:
         raise _fail(path, f"metadata.json is not JSON ({type(err).__name__})") from None
     if not isinstance(doc, dict):
         raise _fail(path, "metadata.json must be a JSON object")
     fmt = (doc.get("sharded_backend"), doc.get("sharded_backend_version"))
-    if fmt not in FORMATS:
-        raise _fail(path, f"format {fmt[0]!r} version {fmt[1]!r} is not one DynaTrain reads "
-                          f"(it reads {', '.join(f'{b} version {v}' for b, v in FORMATS)})")
+    if not _known(fmt, FORMATS):
+        reads = ", ".join(f"{b} version {v}" for b, v in FORMATS)
+        raise _fail(path, f"format {shown(fmt[0])} version {shown(fmt[1])} is not one "
+                          f"DynaTrain reads (it reads {reads})")
     if "common_backend" not in doc and "common_backend_version" not in doc:
         # megatron-core >= 0.19: no common backend; the common state is the common_state entry,
         # unless a legacy common.pt is there, which megatron reads first (serialization.py:224).
-        return fmt, os.path.isfile(member(path, root, COMMON_PT))  # type: ignore[return-value]
+        # (exists, not isfile: a common.pt that is a pipe or a directory is refused, not skipped)
+        return fmt, os.path.exists(member(path, root, COMMON_PT))  # type: ignore[return-value]
     common = (doc.get("common_backend"), doc.get("common_backend_version"))
-    if common not in COMMON_FORMATS:
-        raise _fail(path, f"common format {common[0]!r} version {common[1]!r} is not one "
-                          "DynaTrain reads (it reads torch version 1)")
+    if not _known(common, COMMON_FORMATS):
+        raise _fail(path, f"common format {shown(common[0])} version {shown(common[1])} is "
+                          "not one DynaTrain reads (it reads torch version 1)")
     return fmt, True  # type: ignore[return-value]
+
+
+def _known(fmt: tuple, known: set[tuple[str, int]]) -> bool:
+    # Compared, not looked up: a JSON list or object is unhashable. (And true is not version 1.)
+    return type(fmt[1]) is int and any(fmt == k for k in known)
 
 
 def _read_metadata(path: str, root: str):
     from torch.distributed.checkpoint.metadata import Metadata
 
-    meta = member(path, root, ".metadata")
-    if not os.path.isfile(meta):
-        raise _fail(path, "no .metadata file (the checkpoint was not finished)")
-    with open(meta, "rb") as f:
-        data = f.read()
+    data = _read_small(path, root, ".metadata",
+                       "no .metadata file (the checkpoint was not finished)", MAX_METADATA_BYTES)
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointError as err:
@@ -271,31 +334,39 @@ def _index(path: str, md) -> tuple[dict[str, CkptTensor], dict[str, int]]:
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, MetadataIndex,
                                                        TensorStorageMetadata)
 
-    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+    # The pickle builds only allowed classes, but sets their fields to anything: each field is
+    # checked (getattr: one may be missing) before it is used.
+    sdm, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
         raise _fail(path, ".metadata has no state dict or storage index")
     where: dict[tuple[str, tuple[int, ...]], _StorageInfo] = {}
-    for idx, info in md.storage_data.items():
-        if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo):
+    for idx, info in storage.items():
+        if (not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo)
+                or not isinstance(idx.fqn, str)):
             raise _fail(path, ".metadata storage index holds something other than chunk entries")
         if idx.offset is not None:
-            where[(idx.fqn, tuple(int(x) for x in idx.offset))] = info
+            where[(idx.fqn, _dims(path, f"{idx.fqn} (storage index)", "offset", idx.offset))] = info
     tensors: dict[str, CkptTensor] = {}
     files: dict[str, int] = {}
-    for key, tmd in md.state_dict_metadata.items():
+    for key, tmd in sdm.items():
         if isinstance(tmd, BytesStorageMetadata):
             continue  # megatron's ShardedObjects (_extra_state, rng state): not training state
         if not isinstance(tmd, TensorStorageMetadata) or not isinstance(key, str):
-            raise _fail(path, f".metadata entry {key!r} is neither a tensor nor bytes")
-        shape = tuple(int(s) for s in tmd.size)
-        dtype = tmd.properties.dtype
+            raise _fail(path, f".metadata entry {shown(key)} is neither a tensor nor bytes")
+        shape = _dims(path, key, "size", getattr(tmd, "size", None))
+        dtype = getattr(getattr(tmd, "properties", None), "dtype", None)
         if not isinstance(dtype, torch.dtype):
-            raise _fail(path, f"{key}: dtype {dtype!r} is not a torch dtype")
+            raise _fail(path, f".metadata entry {key}: properties.dtype {shown(dtype)} is not a "
+                              "torch dtype")
+        listed = getattr(tmd, "chunks", None)
+        if not isinstance(listed, (list, tuple)):
+            raise _fail(path, f".metadata entry {key}: chunks {shown(listed)} is not a list")
         chunks = []
-        for c in tmd.chunks:
-            off, size = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+        for i, c in enumerate(listed):
+            off = _dims(path, key, f"chunks[{i}].offsets", getattr(c, "offsets", None), shape)
+            size = _dims(path, key, f"chunks[{i}].sizes", getattr(c, "sizes", None), shape)
             box = Box.of(off, size)
-            if len(off) != len(shape) or any(l < 0 or h > s for l, h, s in
-                                              zip(box.lo, box.hi, shape)):
+            if any(h > s for h, s in zip(box.hi, shape)):
                 raise _fail(path, f"{key}: chunk at {list(off)} of size {list(size)} lies "
                                   f"outside the tensor's shape {list(shape)}")
             info = where.get((key, off))
@@ -307,12 +378,11 @@ def _index(path: str, md) -> tuple[dict[str, CkptTensor], dict[str, int]]:
             transforms = getattr(info, "transform_descriptors", None)  # torch >= 2.7 only
             if transforms:
                 raise _fail(path, f"{key}: chunk stored with transforms "
-                                  f"{list(transforms)} (DynaTrain reads plain "
+                                  f"{shown(transforms)} (DynaTrain reads plain "
                                   "torch.save chunks)")
-            if info.offset < 0 or info.length <= 0:
-                raise _fail(path, f"{key}: chunk at {list(off)} has a bad byte range")
-            files[name] = max(files.get(name, 0), info.offset + info.length)
-            chunks.append(Chunk(box, name, int(info.offset), int(info.length)))
+            start, length = _byte_range(path, f"{key}: the chunk at {list(off)}", info)
+            files[name] = max(files.get(name, 0), start + length)
+            chunks.append(Chunk(box, name, start, length))
         if math.prod(shape):  # (an empty tensor has nothing to cover, and its chunks are empty)
             whole = Box((0,) * len(shape), shape)
             fault = tiling_fault(whole, [c.box for c in chunks])
@@ -321,6 +391,49 @@ def _index(path: str, md) -> tuple[dict[str, CkptTensor], dict[str, int]]:
                                   f"{untiled(fault, [c.box for c in chunks], 'chunk')}")
         tensors[key] = CkptTensor(key, dtype, shape, tuple(chunks))
     return tensors, files
+
+
+def shown(value: object) -> str:
+    """``value`` quoted in a message: bounded (``reprlib``), however large the value."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:  # an int of over 4300 digits has no repr (sys.set_int_max_str_digits)
+        return f"<a {type(value).__name__} too large to show>"
+
+
+def _whole(x: object) -> bool:
+    """An int in [0, 2**63) (not a bool): what a size, an offset or a byte count must be
+    (torch's sizes and file offsets are int64)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
+
+
+def _dims(path: str, key: str, what: str, value: object,
+          shape: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """``.metadata`` field ``what`` of entry ``key`` (a shape or an offset) as whole numbers,
+    one per dimension of ``shape`` when given.
+
+    Raises:
+        CheckpointError: it is not a list (torch.Size, tuple) of that many ints >= 0.
+    """
+    if (not isinstance(value, (list, tuple)) or not all(map(_whole, value))
+            or (shape is not None and len(value) != len(shape))):
+        rank = "" if shape is None else f", {len(shape)} of them (the tensor's rank)"
+        raise _fail(path, f".metadata entry {key}: {what} {shown(value)} is not a list of whole "
+                          f"numbers in [0, 2**63){rank}")
+    return tuple(value)
+
+
+def _byte_range(path: str, what: str, info: object) -> tuple[int, int]:
+    """(offset, length) of a storage entry: whole numbers, the length at least 1.
+
+    Raises:
+        CheckpointError: either is missing, not an int, or out of range.
+    """
+    start, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not (_whole(start) and _whole(length) and length > 0):
+        raise _fail(path, f"{what}: storage offset {shown(start)} and length {shown(length)} are "
+                          "not a byte range (whole numbers in [0, 2**63), the length at least 1)")
+    return start, length
 
 
 def untiled(fault: Fault, boxes: list[Box], what: str) -> str:
@@ -341,6 +454,7 @@ def _common_state_entry(path: str, md) -> Blob:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+    # (``_index`` has checked the state dict and storage index are dicts of the right types)
     if not isinstance(md.state_dict_metadata.get(COMMON_STATE), BytesStorageMetadata):
         raise _fail(path, f"no common.pt and no {COMMON_STATE} bytes entry in .metadata "
                           "(megatron-core 0.16 writes the one, 0.19 the other)")
@@ -353,10 +467,8 @@ def _common_state_entry(path: str, md) -> Blob:
         raise _fail(path, f"{COMMON_STATE}: file name {name!r} is not __<rank>_<i>.distcp")
     if getattr(info, "transform_descriptors", None):  # torch >= 2.7 only
         raise _fail(path, f"{COMMON_STATE} stored with transforms "
-                          f"{list(info.transform_descriptors)} (DynaTrain reads plain bytes)")
-    if info.offset < 0 or info.length <= 0:
-        raise _fail(path, f"{COMMON_STATE} has a bad byte range")
-    return Blob(name, int(info.offset), int(info.length))
+                          f"{shown(info.transform_descriptors)} (DynaTrain reads plain bytes)")
+    return Blob(name, *_byte_range(path, COMMON_STATE, info))
 
 
 # What Megatron-LM's checkpoints add to megatron-core's common state: its ``args`` (an
@@ -404,10 +516,9 @@ def _load_plain(path: str, what: str, source) -> object:
 
 
 def _read_common(path: str, root: str) -> dict:
-    full = member(path, root, COMMON_PT)
-    if not os.path.isfile(full):
-        raise _fail(path, "no common.pt (the checkpoint was not finished)")
-    common = _load_plain(path, COMMON_PT, full)
+    with _open(path, member(path, root, COMMON_PT), COMMON_PT,
+               "no common.pt (the checkpoint was not finished)") as f:
+        common = _load_plain(path, COMMON_PT, f)
     if not isinstance(common, dict):
         raise _fail(path, "common.pt does not hold a dict")
     return common
@@ -415,7 +526,8 @@ def _read_common(path: str, root: str) -> dict:
 
 def _read_common_state(path: str, root: str, blob: Blob) -> dict:
     """megatron-core >= 0.19's common state: ``[common]`` saved as the common_state entry."""
-    with open(member(path, root, blob.file), "rb") as f:
+    with _open(path, member(path, root, blob.file), f"chunk file {blob.file}",
+               f"chunk file {blob.file} is missing") as f:
         f.seek(blob.offset)
         data = f.read(blob.length)
     if len(data) != blob.length:
@@ -433,10 +545,11 @@ def read_chunk(ckpt: Checkpoint, key: str, chunk: Chunk) -> torch.Tensor:
 
     Raises:
         CheckpointError: the bytes do not hold a tensor of that dtype and shape, or the
-            chunk file is now a link out of the checkpoint.
+            chunk file is now a link out of the checkpoint or not a regular file.
     """
     t = ckpt.tensors[key]
-    with open(ckpt.member(chunk.file), "rb") as f:
+    with _open(ckpt.path, ckpt.member(chunk.file), f"chunk file {chunk.file}",
+               f"chunk file {chunk.file} is missing") as f:
         f.seek(chunk.offset)
         data = f.read(chunk.length)
     if len(data) != chunk.length:

@@ -21,6 +21,7 @@ rows only the destination has stay zero (megatron's ``allow_shape_mismatch`` rel
 from __future__ import annotations
 
 import bisect
+import math
 import os
 import threading
 import time
@@ -38,7 +39,8 @@ from ..ir.tiling import tiling_fault
 from ..ir.units import format_bytes, parse_bytes
 from ..planner.lost import disjoint_union
 from ..runtime.storage import Storage, allocate, region, torch_dtype, within
-from .format import Checkpoint, CheckpointError, Chunk, open_checkpoint, read_chunk, untiled
+from .format import (Checkpoint, CheckpointError, Chunk, open_checkpoint, read_chunk, shown,
+                     untiled)
 
 PREFIXES: dict[str, tuple[str, ...]] = {
     "main_param": ("optimizer.state.param.", "optimizer.state.fp32_param."),
@@ -209,31 +211,58 @@ def match(ckpt: Checkpoint, layout: Layout) -> StateView:
     return view_of(layout, min(rows.pop(), layout.padded_vocab)) if rows else base
 
 
+STEP_LIMIT = 2**63  # Adam's step is stored as int64 (``runtime.storage``)
+
+
 def read_step(ckpt: Checkpoint) -> int:
     """Adam's step from the common state (param groups' ``step``, or ``common_step``); 0 when the
     optimizer has not stepped yet.
 
     Raises:
-        CheckpointError: the recorded steps disagree or are not whole numbers.
+        CheckpointError: the optimizer entry is not a dict, or the recorded steps disagree or
+            are not whole numbers in [0, 2**63).
     """
-    found: set = set()
-
-    def walk(x) -> None:
+    optimizer = ckpt.common().get("optimizer", {})
+    if not isinstance(optimizer, dict):
+        raise CheckpointError(f"checkpoint {ckpt.path}: {ckpt.common_name}'s optimizer entry is "
+                              f"a {type(optimizer).__name__}, not a dict")
+    found: set[int] = set()
+    # A stack, not recursion: the state may nest deeper than Python's recursion limit, and a
+    # pickle can make a list that holds itself (each container is visited once).
+    todo, seen = [optimizer], set()
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
         if isinstance(x, dict):
             for k, v in x.items():
                 if k in ("step", "common_step") and not isinstance(v, (dict, list, tuple)):
-                    found.add(float(v.item() if isinstance(v, torch.Tensor) else v))
+                    found.add(_step(ckpt, v))
                 else:
-                    walk(v)
+                    todo.append(v)
         elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(ckpt.common().get("optimizer", {}))
-    if len(found) > 1 or any(s != int(s) or s < 0 for s in found):
+            todo.extend(x)
+    if len(found) > 1:
         raise CheckpointError(f"checkpoint {ckpt.path}: {ckpt.common_name} records Adam steps "
                               f"{sorted(found)}, not one whole number")
-    return int(found.pop()) if found else 0
+    return found.pop() if found else 0
+
+
+def _step(ckpt: Checkpoint, value: object) -> int:
+    """One recorded step as an int: a whole number in [0, 2**63), or a tensor of one."""
+    x = value
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise CheckpointError(f"checkpoint {ckpt.path}: {ckpt.common_name} records an Adam "
+                                  f"step tensor of {x.numel()} elements, not one")
+        x = x.item()
+    if isinstance(x, float) and math.isfinite(x) and x.is_integer():
+        x = int(x)  # (NaN and inf are not, and fail below)
+    if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < STEP_LIMIT:
+        raise CheckpointError(f"checkpoint {ckpt.path}: {ckpt.common_name} records Adam step "
+                              f"{shown(x)}: a step must be one whole number in [0, 2**63)")
+    return x
 
 
 class _ChunkIndex:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..ir.layout import Layout
-from .format import CheckpointError, member, open_checkpoint
+from .format import CheckpointError, member, open_checkpoint, shown
 from .load import LoadStats, load_planned, plan_load, read_step
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -57,18 +57,24 @@ def train_state(ckpt: str, carried: Iterable[str] = ()) -> dict[str, Any]:
     ``num_floating_point_operations_so_far``) under ``extra``.
 
     Raises:
-        CheckpointError: not a Megatron-LM checkpoint (no iteration or no args).
+        CheckpointError: not a Megatron-LM checkpoint (no iteration or no args), or its
+            iteration or ``args.consumed_train_samples`` is not a whole number >= 0.
     """
     common = open_checkpoint(ckpt).common()
     args, it = common.get("args"), common.get("iteration")
     if args is None or not isinstance(it, int) or isinstance(it, bool):
         raise CheckpointError(f"checkpoint {ckpt}: no iteration and args in its common state "
                               "(not saved by Megatron-LM)")
+    consumed = getattr(args, "consumed_train_samples", 0)
+    for what, n in (("iteration", it), ("args.consumed_train_samples", consumed)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # unpickled: anything
+            raise CheckpointError(f"checkpoint {ckpt}: {what} {shown(n)} in its common state is "
+                                  "not a whole number >= 0")
     extra = {k: getattr(args, k) for k in carried if hasattr(args, k)}
     if "num_floating_point_operations_so_far" in common:
         extra["num_floating_point_operations_so_far"] = common[
             "num_floating_point_operations_so_far"]
-    return {"iteration": it, "consumed_samples": int(getattr(args, "consumed_train_samples", 0)),
+    return {"iteration": it, "consumed_samples": consumed,
             "scheduler": common.get("opt_param_scheduler"), "extra": extra}
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from .errors import SpecError
 from .loader import spec_from_dict
 from .spec import LayoutSpec
-from .strict import DuplicateKeyError, json_loads, read_bounded
+from .strict import json_object, read_bounded
 
 MAX_CONFIG_BYTES = 16 << 20  # a config.json or an args dump is a few KiB
 
@@ -171,15 +171,7 @@ def read_json_object(path: str | os.PathLike[str], what: str) -> dict[str, Any]:
     if len(data) > MAX_CONFIG_BYTES:
         raise SpecError(name, f"must be at most {MAX_CONFIG_BYTES >> 20} MiB (a config or "
                         "argument dump is a few KiB)")
-    try:
-        doc = json_loads(data.decode("utf-8"))
-    except DuplicateKeyError as err:
-        raise SpecError(name, str(err)) from None
-    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
-        raise SpecError(name, f"not JSON ({str(err).splitlines()[0][:80]})") from None
-    if not isinstance(doc, dict):
-        raise SpecError(name, f"must be a JSON object of {what}", type(doc).__name__)
-    return doc
+    return json_object(data, name, what)
 
 
 def parse_assignments(text: str, field: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from .errors import DynatrainError
+from .errors import DynatrainError, SpecError
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -111,3 +111,28 @@ def read_bounded(path: str | os.PathLike[str], limit: int) -> bytes:
         if stat.S_ISFIFO(os.fstat(fd).st_mode):  # read as a pipe reads: wait for the writer
             os.set_blocking(fd, True)
         return f.read(limit + 1)
+
+
+def json_object(data: bytes, where: str, what: str, *, finite: bool = False) -> dict[str, Any]:
+    """The JSON object in ``data``, which another program wrote (a config, an args dump, a
+    request in a job's store), read strictly: UTF-8, no key twice (``finite``: no NaN or
+    Infinity), nesting the parser can take, an object of ``what``.
+
+    Raises:
+        SpecError: one line, ``where: what is wrong`` (exit status 2).
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(where, f"not UTF-8 (byte {err.start})") from None
+    try:
+        doc = json_loads(text, finite=finite)
+    except DynatrainError as err:  # a duplicate key, a NaN
+        raise SpecError(where, str(err)) from None
+    except RecursionError:  # the parser recurses per level of nesting
+        raise SpecError(where, "not JSON (nested too deeply)") from None
+    except ValueError as err:  # JSONDecodeError
+        raise SpecError(where, f"not JSON ({str(err).splitlines()[0][:80]})") from None
+    if not isinstance(doc, dict):
+        raise SpecError(where, f"must be a JSON object of {what} (got {type(doc).__name__})")
+    return doc

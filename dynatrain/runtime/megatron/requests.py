@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ...ir.errors import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_OK, DynatrainError
-from ...ir.strict import json_loads
+from ...ir.strict import json_object
 
 OUTCOME_EXIT = {"switched": EXIT_OK, "refused": EXIT_BAD_INPUT, "failed": EXIT_ABORTED}
 MAX_REQUEST_BYTES = 64 << 20  # a spec document naming 100k devices is about 2 MiB
@@ -161,21 +161,7 @@ def parse_document(raw: bytes, key: str) -> dict:
     if len(raw) > MAX_REQUEST_BYTES:
         raise DynatrainError(f"{key}: {len(raw)} bytes, over the {MAX_REQUEST_BYTES} a "
                              "request may hold")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise DynatrainError(f"{key}: not UTF-8 (byte {err.start})") from None
-    try:
-        doc = json_loads(text, finite=True)
-    except DynatrainError as err:
-        raise DynatrainError(f"{key}: {err}") from None
-    except RecursionError:  # the parser recurses per level of nesting
-        raise DynatrainError(f"{key}: nested too deeply") from None
-    except ValueError as err:  # JSONDecodeError
-        raise DynatrainError(f"{key}: not JSON ({err})") from None
-    if not isinstance(doc, dict):
-        raise DynatrainError(f"{key}: expected a JSON object, got {type(doc).__name__}")
-    return doc
+    return json_object(raw, key, "named fields", finite=True)
 
 
 def answer(store: dist.Store, n: int, outcome: str, line: str) -> None:

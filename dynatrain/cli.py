@@ -64,8 +64,8 @@ def _given(value: str | None, default: str) -> str:
 
 def _check_outputs(args: argparse.Namespace, *options: str) -> bool:
     """Refuse, before any work, output options that cannot all be written: two of them on
-    stdout (``-``) or on one file, or a path in no existing directory. True when one of them takes stdout
-    (the command then prints that output alone, not its summary)."""
+    stdout (``-``) or on one file, or a path in no existing directory. True when one of them
+    takes stdout (the command then prints that output alone, not its summary)."""
     given = [(o, getattr(args, o.lstrip("-").replace("-", "_"))) for o in options]
     given = [(o, v) for o, v in given if v is not None]
     on_stdout = [o for o, v in given if v == STDOUT]

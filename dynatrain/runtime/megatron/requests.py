@@ -28,9 +28,9 @@ a layout that does not fit the devices, a switch already under way: the job neve
 failed 4 (the switch started and was rolled back: the job trains on in its previous layout).
 A request that is not a JSON object (not UTF-8, not JSON, NaN or Infinity, a key given twice,
 nested too deeply for the parser, over ``MAX_REQUEST_BYTES``) is refused in one line like any
-other. A notice is refused when its deadline has passed by the time the job takes it up, when it names
-a device that is not in the job (or every device), when no layout fits the rest, or when a
-switch is already under way; a notice that is met says whether the switch ended before the
+other. A notice is refused when its deadline has passed by the time the job takes it up, when
+it names a device that is not in the job (or every device), when no layout fits the rest, or
+when a switch is already under way; a notice that is met says whether the switch ended before the
 deadline. ``dynatrain switch --store HOST:PORT[/prefix] dst.yaml`` and ``dynatrain notice
 --store ... --leaving DEVICES --deadline SECONDS`` are the command-line clients.
 """

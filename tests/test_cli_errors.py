@@ -241,3 +241,10 @@ def test_an_alias_bomb_in_a_topology_file_is_refused_at_once(tmp_path, capsys):
                                             str(tmp_path / "bomb.yaml")], capsys),
                                  "topology.name: ")
     assert len(line) < 300, line
+
+
+def test_an_error_quotes_an_int_too_large_to_print() -> None:
+    # repr() of an int over 4300 digits raises: the message says what it is instead
+    from dynatrain.ir.errors import SpecError
+    assert str(SpecError("model.hidden_size", "too large", 10**5000)) == (
+        "model.hidden_size: too large (got <a int too large to show>)")

@@ -44,14 +44,13 @@ import math
 import os
 import pickle
 import re
-import reprlib
 import stat
 from dataclasses import dataclass, field
 
 import torch
 
 from ..ir.box import Box
-from ..ir.errors import DynatrainError
+from ..ir.errors import DynatrainError, shown
 from ..ir.strict import DuplicateKeyError, json_loads
 from ..ir.tiling import Fault, tiling_fault
 from ..ir.units import format_bytes
@@ -391,14 +390,6 @@ def _index(path: str, md) -> tuple[dict[str, CkptTensor], dict[str, int]]:
                                   f"{untiled(fault, [c.box for c in chunks], 'chunk')}")
         tensors[key] = CkptTensor(key, dtype, shape, tuple(chunks))
     return tensors, files
-
-
-def shown(value: object) -> str:
-    """``value`` quoted in a message: bounded (``reprlib``), however large the value."""
-    try:
-        return reprlib.repr(value)
-    except ValueError:  # an int of over 4300 digits has no repr (sys.set_int_max_str_digits)
-        return f"<a {type(value).__name__} too large to show>"
 
 
 def _whole(x: object) -> bool:

@@ -45,7 +45,7 @@ class SpecError(DynatrainError, ValueError):
 
     def __init__(self, field: str, rule: str, value: object = None) -> None:
         self.field, self.rule, self.value = field, rule, value
-        got = "" if value is None else f" (got {_short(value)})"
+        got = "" if value is None else f" (got {shown(value)})"
         super().__init__(f"{field}: {rule}{got}")
 
 
@@ -53,10 +53,15 @@ class LayoutError(DynatrainError, ValueError):
     """An internal layout computation hit an impossible state (a bug, not bad input)."""
 
 
-def _short(value: object, limit: int = 80) -> str:
-    # reprlib bounds the work too: the full repr of a YAML alias bomb (a few hundred bytes
-    # naming 9**9 strings) would take minutes and gigabytes before being cut
-    text = _REPR.repr(value)
+def shown(value: object, limit: int = 80) -> str:
+    """``value`` quoted in a one-line message, at most ``limit`` characters.
+
+    reprlib bounds the work too: the full repr of a YAML alias bomb (a few hundred bytes
+    naming 9**9 strings) would take minutes and gigabytes before being cut."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # an int of over 4300 digits has no repr (sys.set_int_max_str_digits)
+        return f"<a {type(value).__name__} too large to show>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
